@@ -1,0 +1,82 @@
+"""``async_save``: DCP's ``async_save`` with our writer, answering with DCP's AsyncSaveResponse."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from .errors import CheckpointSaveError
+from .writer import DataStatesWriter
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path_or_writer: str | os.PathLike | DataStatesWriter,
+    **kwargs: Any,
+) -> AsyncSaveResponse:
+    """Save ``state_dict`` asynchronously; returns in milliseconds.
+
+    ``path_or_writer`` is a checkpoint path/URL (a new writer is made) or a
+    :class:`DataStatesWriter` (reuse one writer, and so its host pool, across saves, giving each
+    save its own ``checkpoint_id``). Other keyword arguments go to ``dcp.async_save``
+    (``checkpoint_id``, ``process_group``, ``no_dist``, ``async_checkpointer_type``, ...).
+
+    Returns:
+        ``AsyncSaveResponse``: ``staging_completion`` resolves when the snapshot is complete and
+        the state may change; ``upload_completion`` resolves to DCP ``Metadata`` once the
+        checkpoint is durable and committed, or raises :class:`CheckpointSaveError` (an
+        ``Exception``, unlike DCP's ``CheckpointException``) naming the failing ranks.
+    """
+    writer = (
+        path_or_writer
+        if isinstance(path_or_writer, DataStatesWriter)
+        else DataStatesWriter(path_or_writer)
+    )
+    for name in ("storage_writer", "async_stager"):
+        if name in kwargs:
+            raise TypeError(f"async_save got {name}=; pass a DataStatesWriter as path_or_writer")
+    start = time.monotonic()
+    returned = dcp.async_save(state_dict, storage_writer=writer, **kwargs)
+    blocked = time.monotonic() - start
+    if isinstance(returned, AsyncSaveResponse):  # PROCESS mode: staging is a future already
+        upload, staging = returned.upload_completion, returned.staging_completion
+    else:
+        upload = returned
+        staging = writer.staging_future or _done_future()
+    out: Future[Any] = Future()
+    out.set_running_or_notify_cancel()
+
+    def relay(f: Future[Any]) -> None:
+        if writer.last_stats is not None:
+            writer.last_stats.blocked_s = blocked
+        try:
+            out.set_result(f.result())
+        except BaseException as exc:  # CheckpointException is a BaseException
+            out.set_exception(_as_error(exc))
+
+    upload.add_done_callback(relay)
+    return AsyncSaveResponse(staging_completion=staging, upload_completion=out)
+
+
+def _as_error(exc: BaseException) -> BaseException:
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, Exception) and failures is None:
+        return exc
+    if failures:
+        ranks = ", ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failures.items()))
+        err = CheckpointSaveError(f"checkpoint save failed on {len(failures)} rank(s): {ranks}", failures)
+    else:
+        err = CheckpointSaveError(f"checkpoint save failed: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+def _done_future() -> Future[None]:
+    f: Future[None] = Future()
+    f.set_result(None)
+    return f

@@ -1,0 +1,145 @@
+"""The flush stage: writes each item to storage as soon as its snapshot pieces land.
+
+Items are spread over ``flush_workers`` files per rank (``__{rank}_{n}.distcp``), balanced by
+bytes, each file keeping snapshot order; one thread writes one file, front to back, fsyncs it
+once, and releases every piece it wrote back to the pool right away.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from crc32c import crc32c
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .errors import DataStatesError, StorageWriteError
+from .format import DATA_SUFFIX, RecordInfo
+from .snapshot.engine import SnapshotSession
+from .storage import Storage, _write_error
+
+logger = logging.getLogger(__name__)
+
+
+def assign_files(
+    items: Sequence[WriteItem], session: SnapshotSession, n_files: int
+) -> list[list[WriteItem]]:
+    """Split items over at most ``n_files`` files, balanced by bytes, each in snapshot order."""
+    order = {key: i for i, key in enumerate(session.providers)}
+    ordered = sorted(items, key=lambda item: order[item.index])
+    files: list[list[WriteItem]] = [[] for _ in range(max(1, min(n_files, len(ordered))))]
+    loads = [0] * len(files)
+    for item in ordered:
+        target = loads.index(min(loads))
+        files[target].append(item)
+        provider = session.providers[item.index]
+        payload = provider.payload
+        loads[target] += provider.nbytes + (len(payload) if payload is not None else 0) + 2048
+    return [f for f in files if f]
+
+
+def _flush_file(
+    storage: Storage, name: str, items: list[WriteItem], session: SnapshotSession, *, sync: bool
+) -> list[WriteResult]:
+    results: list[WriteResult] = []
+    pos = 0
+    with storage.open_write(name, sync=sync) as f:
+        for item in items:
+            provider = session.providers[item.index]
+            start, crc = pos, 0
+            payload = provider.payload
+            if payload is not None:
+                f.write(payload)
+                crc = crc32c(payload, value=crc)
+                data_offset, data_length = pos, len(payload)
+                pos += data_length
+            else:
+                frame = provider.frame
+                assert frame is not None
+                f.write(frame.head)
+                crc = crc32c(frame.head, value=crc)
+                pos += len(frame.head)
+                data_offset, data_length = pos, frame.data_length
+                for slice_ in session.slices[item.index]:
+                    data = session.wait(slice_)
+                    f.write(data)
+                    crc = crc32c(data, value=crc)
+                    session.drop(slice_)
+                pos += data_length
+                f.write(frame.tail)
+                crc = crc32c(frame.tail, value=crc)
+                pos += len(frame.tail)
+            info = RecordInfo(
+                relative_path=name,
+                offset=start,
+                length=pos - start,
+                data_offset=data_offset,
+                data_length=data_length,
+                crc32c=crc,
+                kind=provider.kind,
+            )
+            results.append(WriteResult(index=item.index, size_in_bytes=pos - start, storage_data=info))
+    return results
+
+
+def flush(
+    *,
+    storage: Storage,
+    items: Sequence[WriteItem],
+    session: SnapshotSession,
+    prefix: str,
+    workers: int,
+    sync: bool,
+    executor: ThreadPoolExecutor,
+) -> Future[list[WriteResult]]:
+    """Start writing ``items``; the future holds their results, or the first error (once)."""
+    wanted = {item.index for item in items}
+    for key, slices in session.slices.items():
+        if key not in wanted:  # another rank writes this replicated item
+            for slice_ in slices:
+                session.drop(slice_)
+    groups = assign_files(items, session, workers)
+    result: Future[list[WriteResult]] = Future()
+    result.set_running_or_notify_cancel()
+    if not groups:
+        result.set_result([])
+        return result
+    lock = threading.Lock()
+    pending = [len(groups)]
+    collected: list[WriteResult] = []
+    errors: list[BaseException] = []
+
+    def one_file(n: int, group: list[WriteItem]) -> None:
+        name = f"{prefix}{n}{DATA_SUFFIX}"
+        try:
+            collected.extend(_flush_file(storage, name, group, session, sync=sync))
+        except BaseException as exc:  # every error reaches the future, none dies here
+            if isinstance(exc, OSError) and not isinstance(exc, DataStatesError):
+                exc = _write_error(exc, storage.describe(name), session.rank)
+            errors.append(exc)
+            session.abort(exc)
+        finally:
+            with lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+            if last:
+                if errors:
+                    result.set_exception(_first_cause(errors, session))
+                else:
+                    result.set_result(collected)
+
+    for n, group in enumerate(groups):
+        executor.submit(one_file, n, group)
+    return result
+
+
+def _first_cause(errors: list[BaseException], session: SnapshotSession) -> BaseException:
+    # Files that failed only because another file aborted the session report that root cause.
+    if session.error is not None:
+        return session.error
+    return errors[0]
+
+
+__all__ = ["StorageWriteError", "assign_files", "flush"]

@@ -1,0 +1,66 @@
+"""Planning: the DCP ``SavePlanner`` that maps every ``WriteItem`` to a typed state provider."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+
+from .errors import InvalidStateDictError
+from .providers import ObjectProvider, StateProvider, provider_for
+
+
+class DataStatesSavePlanner(DefaultSavePlanner):
+    """A ``DefaultSavePlanner`` (same flattening, same dedup, same metadata, so stock readers
+    understand the result) that also hands out the state provider of each write item."""
+
+    def provider(self, item: WriteItem) -> StateProvider:
+        if item.type == WriteItemType.BYTE_IO:
+            value = self.lookup_object(item.index)
+        else:
+            value = self.resolve_data(item)  # the local tensor or shard, detached
+        return provider_for(item, value)
+
+
+def provider_from_any_planner(item: WriteItem, planner: SavePlanner) -> StateProvider:
+    """A provider for ``item`` when DCP was given some other planner: use what it resolves."""
+    if isinstance(planner, DataStatesSavePlanner):
+        return planner.provider(item)
+    data = planner.resolve_data(item)
+    if isinstance(data, io.BytesIO):
+        return ObjectProvider(item.index.fqn, data.getvalue())
+    return provider_for(item, data)
+
+
+def check_state_dict(state_dict: Any, prefix: str = "") -> None:
+    """Reject what DCP would fail on later, deep in a background thread."""
+    if not isinstance(state_dict, Mapping):
+        raise InvalidStateDictError(
+            f"state dict must be a dict, got {type(state_dict).__name__}"
+        )
+    if not prefix and not state_dict:
+        raise InvalidStateDictError("state dict is empty: there is nothing to checkpoint")
+    for key, value in state_dict.items():
+        if not isinstance(key, str):
+            raise InvalidStateDictError(
+                f"state dict key {key!r} under {prefix or '<root>'!r} is a "
+                f"{type(key).__name__}; DCP needs string keys (convert it with str())"
+            )
+        if isinstance(value, Mapping):
+            check_state_dict(value, f"{prefix}{key}.")
+
+
+def plan_providers(state_dict: dict[str, Any]) -> list[tuple[WriteItem, StateProvider]]:
+    """This rank's write items for ``state_dict`` and their providers, in snapshot order.
+
+    Runs the same local planning DCP will run on the save thread, so the items' indices match.
+    Objects are serialized here (eagerly); tensors are only described.
+    """
+    check_state_dict(state_dict)
+    planner = DataStatesSavePlanner()
+    planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=False)
+    plan = planner.create_local_plan()
+    return [(item, planner.provider(item)) for item in plan.items]

@@ -1,0 +1,274 @@
+"""The snapshot stage: copies providers' bytes into the host pool in the background.
+
+A *piece* is one unit of pool admission: a chunk of a big tensor, or several tiny tensors
+coalesced. Each piece moves through these states (the names are used in code and logs)::
+
+    PENDING --reserve pool block--> ADMITTED --copy + version check--> COPIED --flushed--> RELEASED
+       |                                |                                          ^
+       +--(no item needs it)--> SKIPPED +--(copy failed / save aborted)--> FAILED --+
+
+Pieces are admitted strictly in sequence order by one scheduler thread per writer, across saves,
+and the flush stage consumes each file's pieces in that same order; with no piece larger than the
+pool this guarantees progress (the oldest unreleased piece is always either being copied into free
+space or next in line for its file's flusher).
+
+A piece is released when every item slice that refers to it was flushed or dropped (``refs``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import SnapshotAbortedError
+from ..providers import StateProvider
+from .pool import HostPool
+
+logger = logging.getLogger(__name__)
+
+PENDING, ADMITTED, COPIED, RELEASED, SKIPPED, FAILED = (
+    "PENDING", "ADMITTED", "COPIED", "RELEASED", "SKIPPED", "FAILED",
+)
+
+
+@dataclass(eq=False)
+class Piece:
+    seq: int
+    nbytes: int
+    #: (provider, source start, source stop, offset inside the piece)
+    parts: list[tuple[StateProvider, int, int, int]] = field(default_factory=list)
+    state: str = PENDING
+    offset: int = -1  # pool offset once ADMITTED
+    refs: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Part of one item's data: ``length`` bytes at ``start`` inside ``piece``."""
+
+    piece: Piece
+    start: int
+    length: int
+
+
+class SnapshotSession:
+    """The snapshot of one save on one rank.
+
+    ``items`` are (key, provider) pairs in snapshot order; ``key`` is the DCP ``MetadataIndex``.
+    ``staged`` resolves once every piece is copied, skipped or the session aborted: from then on
+    the caller may mutate the state (the save's outcome is reported by the flush stage).
+    """
+
+    def __init__(
+        self,
+        items: Sequence[tuple[Any, StateProvider]],
+        *,
+        pool: HostPool,
+        chunk_bytes: int,
+        coalesce_bytes: int,
+        rank: int,
+    ) -> None:
+        self.rank = rank
+        self.pool = pool
+        self.providers: dict[Any, StateProvider] = {}
+        self.slices: dict[Any, list[Slice]] = {}
+        self.pieces: list[Piece] = []
+        self.staged: Future[None] = Future()
+        self.staged.set_running_or_notify_cancel()
+        self.error: BaseException | None = None
+        self.created = time.monotonic()
+        self.staged_at: float | None = None
+        self.owner: threading.Thread | None = None  # the DCP thread that flushes it
+        self.flush_started = False
+        self._lock = threading.Lock()
+        self._unfinished = 0
+        self._build(items, chunk_bytes, coalesce_bytes)
+
+    # -- planning --------------------------------------------------------------------------
+    def _new_piece(self) -> Piece:
+        piece = Piece(seq=len(self.pieces), nbytes=0)
+        self.pieces.append(piece)
+        return piece
+
+    def _build(self, items: Sequence[tuple[Any, StateProvider]], chunk: int, small: int) -> None:
+        batch: Piece | None = None
+        for key, provider in items:
+            self.providers[key] = provider
+            nbytes = provider.nbytes
+            if nbytes == 0:
+                self.slices[key] = []
+                continue
+            if nbytes < small:
+                if batch is None or batch.nbytes + nbytes > chunk:
+                    batch = self._new_piece()
+                self._add(key, batch, provider, 0, nbytes)
+                continue
+            batch = None
+            for start, stop in provider.split(chunk):
+                self._add(key, self._new_piece(), provider, start, stop)
+        self._unfinished = len(self.pieces)
+        if not self.pieces:
+            self._mark_staged()
+
+    def _add(self, key: Any, piece: Piece, provider: StateProvider, start: int, stop: int) -> None:
+        at = piece.nbytes
+        at += (-at) % 64  # keep every part aligned for dtype views of the pool
+        piece.parts.append((provider, start, stop, at))
+        piece.nbytes = at + (stop - start)
+        piece.refs += 1
+        self.slices.setdefault(key, []).append(Slice(piece, at, stop - start))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+    # -- state changes ---------------------------------------------------------------------
+    def _mark_staged(self) -> None:
+        if not self.staged.done():
+            self.staged_at = time.monotonic()
+            self.staged.set_result(None)
+
+    def _finished_one(self) -> None:
+        # caller holds self._lock
+        self._unfinished -= 1
+        if self._unfinished == 0:
+            self._mark_staged()
+
+    def admit(self, piece: Piece, offset: int) -> bool:
+        """Record the pool block of ``piece``; False if the piece is no longer needed."""
+        with self._lock:
+            if piece.state != PENDING:
+                self.pool.release(offset)
+                return False
+            piece.state, piece.offset = ADMITTED, offset
+            return True
+
+    def copied(self, piece: Piece, error: BaseException | None) -> None:
+        with self._lock:
+            if piece.state == ADMITTED:
+                piece.state = FAILED if error else COPIED
+            if error is not None and self.error is None:
+                self.error = error
+            if piece.refs == 0 or self.error is not None:
+                self._release(piece)
+            self._finished_one()
+        piece.done.set()
+        if error is not None:
+            self.abort(error)
+
+    def _release(self, piece: Piece) -> None:
+        # caller holds self._lock
+        if piece.offset >= 0 and piece.state in (ADMITTED, COPIED, FAILED):
+            self.pool.release(piece.offset)
+            piece.offset = -1
+            piece.state = RELEASED
+
+    def drop(self, slice_: Slice) -> None:
+        """The item slice was flushed (or is not ours to write): release the piece when unused."""
+        piece = slice_.piece
+        with self._lock:
+            piece.refs -= 1
+            if piece.refs > 0:
+                return
+            if piece.state == PENDING:
+                piece.state = SKIPPED
+                self._finished_one()
+                piece.done.set()
+            elif piece.state == COPIED:
+                self._release(piece)
+            # ADMITTED: the copy in flight releases it when it completes.
+
+    def abort(self, error: BaseException) -> None:
+        """Give up: release every block, wake waiters; ``error`` is what the flush stage raises."""
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            for piece in self.pieces:
+                if piece.state == PENDING:
+                    piece.state = SKIPPED
+                    self._finished_one()
+                elif piece.state in (COPIED, FAILED):
+                    self._release(piece)
+                if piece.state != ADMITTED:
+                    piece.done.set()
+        self.pool.wake()
+
+    @property
+    def aborted(self) -> bool:
+        return self.error is not None
+
+    def wait(self, slice_: Slice) -> memoryview:
+        """Block until the slice's piece is copied; its bytes as a memoryview of the pool."""
+        piece = slice_.piece
+        piece.done.wait()
+        if self.error is not None:
+            raise self.error
+        if piece.state != COPIED:
+            raise SnapshotAbortedError(
+                f"rank {self.rank}: snapshot piece {piece.seq} is {piece.state}, not COPIED"
+            )
+        return self.pool.memoryview(piece.offset + slice_.start, slice_.length)
+
+
+class SnapshotScheduler:
+    """Admits pieces of queued sessions into the pool, in order, and runs their copies."""
+
+    def __init__(
+        self, pool: HostPool, *, copy_workers: int, on_stall: Callable[[], None]
+    ) -> None:
+        self.pool = pool
+        self._on_stall = on_stall
+        self._queue: queue.SimpleQueue[SnapshotSession | None] = queue.SimpleQueue()
+        self._copies = ThreadPoolExecutor(copy_workers, thread_name_prefix="datastates-copy")
+        self._thread = threading.Thread(target=self._run, name="datastates-snapshot", daemon=True)
+        self._thread.start()
+
+    def submit(self, session: SnapshotSession) -> None:
+        self._queue.put(session)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._copies.shutdown(wait=True)
+
+    def _run(self) -> None:
+        while (session := self._queue.get()) is not None:
+            try:
+                self._admit_all(session)
+            except BaseException as exc:  # never let an error die in this thread
+                logger.exception("rank %d: snapshot scheduling failed", session.rank)
+                session.abort(exc)
+
+    def _admit_all(self, session: SnapshotSession) -> None:
+        for piece in session.pieces:
+            if session.aborted:
+                return
+            if piece.state != PENDING:
+                continue
+            offset = self.pool.reserve(
+                piece.nbytes,
+                cancelled=lambda: session.aborted or piece.state != PENDING,
+                on_stall=self._on_stall,
+            )
+            if offset is None or not session.admit(piece, offset):
+                continue
+            self._copies.submit(_copy_piece, session, piece)
+
+
+def _copy_piece(session: SnapshotSession, piece: Piece) -> None:
+    error: BaseException | None = None
+    try:
+        for provider, start, stop, at in piece.parts:
+            provider.copy_into(session.pool.view(piece.offset + at, stop - start), start, stop)
+            # Checked after the copy: a bump before or during it means the bytes may be torn.
+            provider.check_unchanged(session.rank)
+    except BaseException as exc:
+        error = exc
+    session.copied(piece, error)

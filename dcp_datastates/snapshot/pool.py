@@ -1,0 +1,135 @@
+"""A bounded host-memory pool, allocated once and reused: a ring of blocks with back-pressure.
+
+Blocks are reserved strictly in snapshot order by one scheduler thread, and may be released in any
+order; space is reclaimed from the oldest block forward. With pieces never larger than the pool,
+this cannot deadlock as long as the flush stage releases pieces in the order it was given them
+(see ``engine.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Callable
+
+import torch
+
+from .. import _cuda
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class HostPool:
+    """``capacity`` bytes of host memory handed out as aligned blocks.
+
+    The buffer is allocated lazily by the first :meth:`reserve` (on the scheduler thread, never on
+    the training thread) and kept until :meth:`close`.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = _align(capacity)
+        self._buffer: torch.Tensor | None = None
+        self._cond = threading.Condition()
+        self._blocks: collections.deque[list[int]] = collections.deque()  # [offset, size, live]
+        self._by_offset: dict[int, list[int]] = {}
+        self._head = 0
+        self.in_use = 0
+        self.peak_in_use = 0
+
+    @property
+    def allocated_bytes(self) -> int:
+        return 0 if self._buffer is None else self.capacity
+
+    def _ensure_buffer(self) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = _cuda.allocate_host_buffer(self.capacity)
+            logger.debug("host pool allocated: %d bytes (pinned=%s)", self.capacity, _cuda.pinning())
+        return self._buffer
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        assert self._buffer is not None
+        return self._buffer[offset : offset + nbytes]
+
+    def memoryview(self, offset: int, nbytes: int) -> memoryview:
+        return memoryview(self.view(offset, nbytes).numpy())
+
+    def _try_reserve(self, size: int) -> int | None:
+        if not self._blocks:
+            self._head = 0
+            start = 0
+        else:
+            tail = self._blocks[0][0]
+            if self._head > tail:  # not wrapped: free space is [head, capacity) and [0, tail)
+                if self._head + size <= self.capacity:
+                    start = self._head
+                elif size <= tail:
+                    start = 0
+                else:
+                    return None
+            elif self._head + size <= tail:  # wrapped: free space is [head, tail)
+                start = self._head
+            else:
+                return None
+        block = [start, size, 1]
+        self._blocks.append(block)
+        self._by_offset[start] = block
+        self._head = start + size
+        self.in_use += size
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return start
+
+    def reserve(
+        self,
+        nbytes: int,
+        *,
+        cancelled: Callable[[], bool],
+        on_stall: Callable[[], None] | None = None,
+    ) -> int | None:
+        """Reserve a block, waiting for space; returns its offset, or ``None`` if ``cancelled()``.
+
+        ``on_stall`` runs about once a second while waiting (to reap abandoned saves).
+        """
+        size = _align(max(nbytes, 1))
+        if size > self.capacity:
+            raise ValueError(f"a {nbytes}-byte piece cannot fit a {self.capacity}-byte host pool")
+        self._ensure_buffer()
+        with self._cond:
+            while True:
+                if cancelled():
+                    return None
+                offset = self._try_reserve(size)
+                if offset is not None:
+                    return offset
+                if not self._cond.wait(timeout=1.0) and on_stall is not None:
+                    self._cond.release()
+                    try:
+                        on_stall()
+                    finally:
+                        self._cond.acquire()
+
+    def release(self, offset: int) -> None:
+        with self._cond:
+            block = self._by_offset.pop(offset)
+            block[2] = 0
+            self.in_use -= block[1]
+            while self._blocks and not self._blocks[0][2]:
+                self._blocks.popleft()
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake waiters so they re-check their cancellation."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            if self._blocks:
+                raise RuntimeError(f"host pool closed with {len(self._blocks)} blocks in use")
+            self._buffer = None

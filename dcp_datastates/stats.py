@@ -1,0 +1,46 @@
+"""Per-save figures, kept on the writer and logged once per save."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SaveStats:
+    """What one save cost this rank. Times are seconds from the start of the save.
+
+    Attributes:
+        checkpoint_id: Where the checkpoint went.
+        rank: This rank.
+        blocked_s: How long the caller was blocked (``stage()``, or the whole ``dcp.save``).
+        safe_to_mutate_s: When the snapshot finished, so the state could change again.
+        durable_s: When this rank's data was on storage (and, on the coordinator, committed).
+        bytes_written: Bytes this rank wrote, records and framing included.
+        items: Items this rank wrote.
+        pool_bytes: Size of the host staging pool.
+        pool_peak_bytes: Most pool bytes in use at once during this save.
+        optimizer_wait_s: Time optimizer steps spent waiting on snapshots during this save.
+    """
+
+    checkpoint_id: str
+    rank: int
+    blocked_s: float = 0.0
+    safe_to_mutate_s: float | None = None
+    durable_s: float | None = None
+    bytes_written: int = 0
+    items: int = 0
+    pool_bytes: int = 0
+    pool_peak_bytes: int = 0
+    optimizer_wait_s: float = 0.0
+
+    def summary(self) -> str:
+        def fmt(value: float | None) -> str:
+            return "-" if value is None else f"{value:.3f}s"
+
+        return (
+            f"rank {self.rank}: saved {self.items} items, {self.bytes_written / 1e6:.1f} MB to "
+            f"{self.checkpoint_id}: blocked {fmt(self.blocked_s)}, safe to mutate "
+            f"{fmt(self.safe_to_mutate_s)}, durable {fmt(self.durable_s)}, pool "
+            f"{self.pool_peak_bytes / 1e6:.1f}/{self.pool_bytes / 1e6:.1f} MB, optimizer waited "
+            f"{self.optimizer_wait_s:.3f}s"
+        )

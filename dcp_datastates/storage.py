@@ -1,0 +1,181 @@
+"""Where checkpoint bytes go: a local fast path and any fsspec URL, behind one small protocol.
+
+This is the one place that owns "open for write, fsync, remove on failure" and the atomic
+commit of a small file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+from typing import BinaryIO, Protocol
+
+import fsspec
+
+from .errors import StorageWriteError
+
+_BUFFER = 4 << 20
+
+
+class Storage(Protocol):
+    """A checkpoint directory."""
+
+    root: str
+
+    def describe(self, name: str) -> str:
+        """Full path or URL of ``name``, for messages."""
+        ...
+
+    def makedirs(self) -> None: ...
+
+    def exists(self, name: str) -> bool: ...
+
+    def remove(self, name: str) -> None:
+        """Remove ``name`` if it exists."""
+        ...
+
+    def open_write(self, name: str, *, sync: bool) -> contextlib.AbstractContextManager[BinaryIO]:
+        """A file for ``name`` that is made durable when the block ends normally (one fsync when
+        ``sync``) and removed when it ends with an error."""
+        ...
+
+    def put_atomic(self, name: str, data: bytes, *, sync: bool) -> None:
+        """Make ``name`` hold ``data`` in one step: readers see the old state or the new one."""
+        ...
+
+    def open_read(self, name: str) -> BinaryIO: ...
+
+
+def _write_error(exc: OSError, where: str, rank: int | None = None) -> StorageWriteError:
+    who = f"rank {rank}: " if rank is not None else ""
+    hint = " (the device is full; free space or save elsewhere)" if exc.errno == errno.ENOSPC else ""
+    err = StorageWriteError(exc.errno or errno.EIO, f"{who}writing {where} failed: {exc}{hint}")
+    err.filename = where
+    return err
+
+
+class LocalStorage:
+    """A directory on a local (or locally mounted) file system."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        path = os.fspath(root)
+        if path.startswith("file://"):
+            path = path[len("file://") :]
+        self.root = os.path.abspath(path)
+
+    def describe(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def makedirs(self) -> None:
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"checkpoint path {self.root} exists and is not a directory; pick another path",
+                self.root,
+            )
+        os.makedirs(self.root, exist_ok=True)
+
+    def exists(self, name: str) -> bool:
+        return os.path.exists(self.describe(name))
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.describe(name))
+
+    @contextlib.contextmanager
+    def open_write(self, name: str, *, sync: bool) -> Iterator[BinaryIO]:
+        path = self.describe(name)
+        f = open(path, "wb", buffering=_BUFFER)  # noqa: SIM115 - closed below on every path
+        try:
+            yield f
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+            f.close()
+        except BaseException:
+            with contextlib.suppress(OSError):
+                f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+
+    def put_atomic(self, name: str, data: bytes, *, sync: bool) -> None:
+        tmp = f"{name}.tmp"
+        with self.open_write(tmp, sync=sync) as f:
+            f.write(data)
+        os.replace(self.describe(tmp), self.describe(name))
+        if sync:
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def open_read(self, name: str) -> BinaryIO:
+        return open(self.describe(name), "rb")  # noqa: SIM115
+
+
+class FsspecStorage:
+    """Any fsspec URL (``memory://``, ``s3://`` through s3fs, ...).
+
+    Object stores have no fsync and no atomic rename: a file is durable once ``close()`` returns,
+    and the commit record is a single ``pipe`` (one PUT) written last.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.fs, self.root = fsspec.core.url_to_fs(url)
+        self.url = url.rstrip("/")
+
+    def describe(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def _path(self, name: str) -> str:
+        return f"{self.root.rstrip('/')}/{name}"
+
+    def makedirs(self) -> None:
+        if self.fs.isfile(self.root):
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"checkpoint path {self.url} is a file; pick another path", self.url
+            )
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def exists(self, name: str) -> bool:
+        return bool(self.fs.exists(self._path(name)))
+
+    def remove(self, name: str) -> None:
+        if self.fs.exists(self._path(name)):
+            self.fs.rm_file(self._path(name))
+
+    @contextlib.contextmanager
+    def open_write(self, name: str, *, sync: bool) -> Iterator[BinaryIO]:
+        path = self._path(name)
+        f = self.fs.open(path, "wb")
+        try:
+            yield f
+            f.close()  # uploads / commits the object
+        except BaseException:
+            discard = getattr(f, "discard", None)
+            with contextlib.suppress(Exception):
+                discard() if discard is not None else f.close()
+            with contextlib.suppress(Exception):
+                self.remove(name)
+            raise
+
+    def put_atomic(self, name: str, data: bytes, *, sync: bool) -> None:
+        self.fs.pipe_file(self._path(name), data)
+
+    def open_read(self, name: str) -> BinaryIO:
+        return self.fs.open(self._path(name), "rb")
+
+
+def storage_for(path: str | os.PathLike) -> LocalStorage | FsspecStorage:
+    """Local paths (and ``file://``) take the fast path; any other URL goes through fsspec."""
+    text = os.fspath(path)
+    if "://" not in text or text.startswith("file://"):
+        return LocalStorage(text)
+    return FsspecStorage(text)
+
+
+__all__ = ["FsspecStorage", "LocalStorage", "Storage", "storage_for", "_write_error"]
