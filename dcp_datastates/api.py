@@ -68,8 +68,12 @@ def _as_error(exc: BaseException) -> BaseException:
     if isinstance(exc, Exception) and failures is None:
         return exc
     if failures:
+        # DCP wraps each rank's error as (exception, traceback summary); keep the exceptions.
+        failures = {r: e[0] if isinstance(e, tuple) else e for r, e in failures.items()}
         ranks = ", ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failures.items()))
-        err = CheckpointSaveError(f"checkpoint save failed on {len(failures)} rank(s): {ranks}", failures)
+        err = CheckpointSaveError(
+            f"checkpoint save failed on {len(failures)} rank(s): {ranks}", failures
+        )
     else:
         err = CheckpointSaveError(f"checkpoint save failed: {exc}")
     err.__cause__ = exc

@@ -8,7 +8,7 @@ class DataStatesError(Exception):
 
 
 class InvalidStateDictError(DataStatesError, ValueError):
-    """The state dict cannot be checkpointed; raised at the call site, before anything is written."""
+    """The state dict cannot be checkpointed; raised at the call site, before any write."""
 
 
 class SnapshotMutationError(DataStatesError):

@@ -11,6 +11,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+
 from crc32c import crc32c
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
@@ -80,7 +81,9 @@ def _flush_file(
                 crc32c=crc,
                 kind=provider.kind,
             )
-            results.append(WriteResult(index=item.index, size_in_bytes=pos - start, storage_data=info))
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=pos - start, storage_data=info)
+            )
     return results
 
 

@@ -115,7 +115,9 @@ def manifest_key(fqn: str, offset: Any) -> str:
     return f"{fqn}@{','.join(str(int(o)) for o in offset)}"
 
 
-def encode_manifest(entries: dict[str, RecordInfo], *, world_size: int, torch_version: str) -> bytes:
+def encode_manifest(
+    entries: dict[str, RecordInfo], *, world_size: int, torch_version: str
+) -> bytes:
     body = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,

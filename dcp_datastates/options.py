@@ -14,9 +14,9 @@ class WriterOptions:
     Attributes:
         host_pool_bytes: Bytes of host memory used to stage snapshots. Allocated once, on the first
             save, and reused by every later save of the same writer. ``None`` sizes it to the first
-            state this rank saves, capped at ``max_pool_fraction`` of physical memory. A state larger
-            than the pool is still saved correctly: big tensors are chunked and the snapshot waits
-            for the flush to free space (back-pressure).
+            state this rank saves, capped at ``max_pool_fraction`` of physical memory. A state
+            larger than the pool is still saved correctly: big tensors are chunked and the
+            snapshot waits for the flush to free space (back-pressure).
         chunk_bytes: Largest piece of a tensor that is copied and written as one unit. Smaller
             chunks let a small pool stream a big tensor; larger ones cost fewer calls.
         coalesce_bytes: Tensors smaller than this are copied together into one pool block, so that
@@ -55,7 +55,8 @@ class WriterOptions:
                 raise ValueError(f"{name}={value!r} must be an int of at least 4096 bytes")
         if self.coalesce_bytes > self.chunk_bytes:
             raise ValueError(
-                f"coalesce_bytes={self.coalesce_bytes!r} must not exceed chunk_bytes={self.chunk_bytes!r}"
+                f"coalesce_bytes={self.coalesce_bytes!r} must not exceed "
+                f"chunk_bytes={self.chunk_bytes!r}"
             )
         for name in ("copy_workers", "flush_workers"):
             value = getattr(self, name)

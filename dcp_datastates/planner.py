@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
 from .errors import InvalidStateDictError
-from .providers import ObjectProvider, StateProvider, provider_for
+from .providers import ObjectProvider, StateProvider, has_registered_provider, provider_for
 
 
 class DataStatesSavePlanner(DefaultSavePlanner):
@@ -29,6 +29,11 @@ def provider_from_any_planner(item: WriteItem, planner: SavePlanner) -> StatePro
     """A provider for ``item`` when DCP was given some other planner: use what it resolves."""
     if isinstance(planner, DataStatesSavePlanner):
         return planner.provider(item)
+    if item.type == WriteItemType.BYTE_IO and isinstance(planner, DefaultSavePlanner):
+        # resolve_data would torch.save the object before a registered provider could see it.
+        value = planner.lookup_object(item.index)
+        if has_registered_provider(value):
+            return provider_for(item, value)
     data = planner.resolve_data(item)
     if isinstance(data, io.BytesIO):
         return ObjectProvider(item.index.fqn, data.getvalue())
@@ -38,9 +43,7 @@ def provider_from_any_planner(item: WriteItem, planner: SavePlanner) -> StatePro
 def check_state_dict(state_dict: Any, prefix: str = "") -> None:
     """Reject what DCP would fail on later, deep in a background thread."""
     if not isinstance(state_dict, Mapping):
-        raise InvalidStateDictError(
-            f"state dict must be a dict, got {type(state_dict).__name__}"
-        )
+        raise InvalidStateDictError(f"state dict must be a dict, got {type(state_dict).__name__}")
     if not prefix and not state_dict:
         raise InvalidStateDictError("state dict is empty: there is nothing to checkpoint")
     for key, value in state_dict.items():

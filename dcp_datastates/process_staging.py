@@ -49,8 +49,12 @@ def stage_for_process(state_dict: dict[str, Any], *, guard: bool) -> ProcessStag
         if isinstance(value, DTensor):
             local = plan(value.to_local(), fqn)
             return lambda buf: DTensor.from_local(
-                local(buf), value.device_mesh, value.placements,
-                run_check=False, shape=value.shape, stride=value.stride(),
+                local(buf),
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
             )
         if isinstance(value, torch.Tensor):
             if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
@@ -85,12 +89,14 @@ def stage_for_process(state_dict: dict[str, Any], *, guard: bool) -> ProcessStag
         try:
             buf = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()
             staged_dict = build(buf)
-            for (fqn, src, version), start in zip(sources, offsets):
+            for (fqn, src, version), start in zip(sources, offsets, strict=True):
                 n = _nbytes(src)
                 if n:
                     buf[start : start + n].view(src.dtype).view(src.shape).copy_(src)
                 if src._version != version:
-                    raise SnapshotMutationError(fqn=fqn, rank=_rank(), before=version, after=src._version)
+                    raise SnapshotMutationError(
+                        fqn=fqn, rank=_rank(), before=version, after=src._version
+                    )
             result.set_result(staged_dict)
         except BaseException as exc:  # reaches the caller through DCP's upload future
             result.set_exception(exc)

@@ -12,14 +12,21 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from crc32c import crc32c
 import torch
+from crc32c import crc32c
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .errors import CheckpointNotCommittedError, ChecksumMismatchError
-from .format import DATA_SUFFIX, MANIFEST_NAME, METADATA_NAME, RecordInfo, decode_manifest, manifest_key
+from .format import (
+    DATA_SUFFIX,
+    MANIFEST_NAME,
+    METADATA_NAME,
+    RecordInfo,
+    decode_manifest,
+    manifest_key,
+)
 from .storage import storage_for
 
 logger = logging.getLogger(__name__)
@@ -35,7 +42,9 @@ class DataStatesReader(StorageReader):
         io_workers: Files read in parallel.
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = True, io_workers: int = 4) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, verify: bool = True, io_workers: int = 4
+    ) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.verify = verify
@@ -77,7 +86,9 @@ class DataStatesReader(StorageReader):
 
     def _not_committed(self) -> CheckpointNotCommittedError:
         try:
-            found = sorted(n for n in os.listdir(self.storage.describe("")) if n.endswith(DATA_SUFFIX))
+            found = sorted(
+                n for n in os.listdir(self.storage.describe("")) if n.endswith(DATA_SUFFIX)
+            )
         except OSError:
             found = []
         return CheckpointNotCommittedError(
@@ -86,7 +97,9 @@ class DataStatesReader(StorageReader):
             "earlier checkpoint"
         )
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         self.metadata = metadata
         if self.manifest is None and self.storage.exists(MANIFEST_NAME):
             with self.storage.open_read(MANIFEST_NAME) as f:
@@ -105,7 +118,9 @@ class DataStatesReader(StorageReader):
             per_file[self.metadata.storage_data[req.storage_index].relative_path].append(req)
         done: torch.futures.Future = torch.futures.Future()
         with ThreadPoolExecutor(max(1, min(self.io_workers, len(per_file)))) as pool:
-            jobs = [pool.submit(self._read_file, name, reqs, planner) for name, reqs in per_file.items()]
+            jobs = [
+                pool.submit(self._read_file, name, reqs, planner) for name, reqs in per_file.items()
+            ]
         try:
             for job in jobs:
                 job.result()
@@ -159,11 +174,20 @@ class DataStatesReader(StorageReader):
                 return md.properties.dtype, chunk.sizes  # type: ignore[union-attr]
         raise KeyError(f"no saved chunk of {index.fqn!r} at offset {tuple(index.offset)}")
 
-    def _load_tensor(self, name: str, f: Any, req: ReadItem, info: RecordInfo, planner: LoadPlanner) -> None:
+    def _load_tensor(
+        self, name: str, f: Any, req: ReadItem, info: RecordInfo, planner: LoadPlanner
+    ) -> None:
         dtype, sizes = self._saved_chunk(req.storage_index)
         target = planner.resolve_tensor(req).detach()
-        whole = tuple(req.storage_offsets) == (0,) * len(sizes) and tuple(req.lengths) == tuple(sizes)
-        direct = whole and target.is_contiguous() and target.device.type == "cpu" and target.dtype == dtype
+        whole = tuple(req.storage_offsets) == (0,) * len(sizes) and tuple(req.lengths) == tuple(
+            sizes
+        )
+        direct = (
+            whole
+            and target.is_contiguous()
+            and target.device.type == "cpu"
+            and target.dtype == dtype
+        )
         buf = target if direct else torch.empty(sizes, dtype=dtype)
         f.seek(info.offset)
         head = f.read(info.data_offset - info.offset)
@@ -179,8 +203,7 @@ class DataStatesReader(StorageReader):
             crc = crc32c(tail, value=crc)
         self._check(name, req, info, crc, got)
         if not direct:
-            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-                buf = buf.narrow(dim, start, length)
+            buf = _narrow(buf, req)
             target.copy_(buf)
         planner.commit_tensor(req, target)
 
@@ -189,8 +212,14 @@ class DataStatesReader(StorageReader):
             planner.load_bytes(req, io.BytesIO(blob))
             return
         tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-            tensor = tensor.narrow(dim, start, length)
+        tensor = _narrow(tensor, req)
         target = planner.resolve_tensor(req).detach()
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+def _narrow(tensor: torch.Tensor, req: ReadItem) -> torch.Tensor:
+    """The part of a saved chunk that ``req`` asks for (resharding)."""
+    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor

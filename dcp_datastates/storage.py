@@ -50,7 +50,9 @@ class Storage(Protocol):
 
 def _write_error(exc: OSError, where: str, rank: int | None = None) -> StorageWriteError:
     who = f"rank {rank}: " if rank is not None else ""
-    hint = " (the device is full; free space or save elsewhere)" if exc.errno == errno.ENOSPC else ""
+    hint = (
+        " (the device is full; free space or save elsewhere)" if exc.errno == errno.ENOSPC else ""
+    )
     err = StorageWriteError(exc.errno or errno.EIO, f"{who}writing {where} failed: {exc}{hint}")
     err.filename = where
     return err

@@ -30,6 +30,7 @@ snapshots queue for the pool in order, their flushes run on their own DCP thread
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -57,7 +58,7 @@ from .snapshot import guard as _guard
 from .snapshot.engine import SnapshotScheduler, SnapshotSession
 from .snapshot.pool import HostPool
 from .stats import SaveStats
-from .storage import storage_for
+from .storage import Storage, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,6 @@ class _Save:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.storage = storage_for(path)
         self.rank = _current_rank()
         self.is_coordinator = True
         self.session: SnapshotSession | None = None
@@ -127,6 +127,11 @@ class _Save:
         self.started = time.monotonic()
         self.synchronous = False  # a plain dcp.save: no stage(), the caller waits throughout
         self.guard_wait_start = _guard.waited_seconds
+        self.done = False  # this rank will make no more writer calls for this save
+
+    @functools.cached_property
+    def storage(self) -> Storage:
+        return storage_for(self.path)
 
 
 class DataStatesWriter(StorageWriter, AsyncStager):
@@ -176,7 +181,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 cap = int(_physical_memory() * self.options.max_pool_fraction)
                 size = max(16 * MiB, min(state_bytes, cap))
             self._runtime = _Runtime(self.options, size, self._reap_abandoned)
-            logger.info("rank %d: host pool of %d bytes", _current_rank(), self._runtime.pool.capacity)
+            logger.info(
+                "rank %d: host pool of %d bytes", _current_rank(), self._runtime.pool.capacity
+            )
         return self._runtime
 
     def _new_session(self, items: list, rank: int) -> SnapshotSession:
@@ -210,7 +217,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             sessions = list(self._sessions)
         for s in sessions:
             if s.owner is not None and not s.owner.is_alive() and not s.flush_started:
-                s.abort(SnapshotAbortedError(f"rank {s.rank}: the save thread exited before flushing"))
+                s.abort(
+                    SnapshotAbortedError(f"rank {s.rank}: the save thread exited before flushing")
+                )
 
     def close(self) -> None:
         """Release the host pool and the writer's threads (waits for running saves)."""
@@ -257,22 +266,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         return self._last_staged
 
     # -- StorageWriter -----------------------------------------------------------------------
-    def _save(self) -> _Save:
-        save = getattr(self._local, "save", None)
-        if save is None:
-            save = self._local.save = _Save(self.path)
-        return save
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        self._local.save = _Save(os.fspath(checkpoint_id) if checkpoint_id else self.path)
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        save = self._save()
-        if save.session is not None:  # left over from an earlier save on this thread
-            save = self._local.save = _Save(self.path)
-        save.is_coordinator = is_coordinator
-        if kwargs.get("rank") is not None:
-            save.rank = kwargs["rank"]
+    def _begin(self, path: str) -> _Save:
+        """The first writer call of a save on this thread: new per-save state, and claim the
+        snapshot staged for it (claiming first, so that a save dying later is seen dead)."""
+        save = self._local.save = _Save(path)
         with self._claimed:
             pending = self._unclaimed
             if pending is not None and pending[1] is not threading.current_thread():
@@ -281,6 +278,22 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 self._claimed.notify_all()
                 session.owner = threading.current_thread()
                 save.session, save.stats, save.started = session, stats, session.created
+        return save
+
+    def _save(self) -> _Save:
+        save = getattr(self._local, "save", None)
+        if save is None or save.done:
+            save = self._begin(self.path)
+        return save
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._begin(os.fspath(checkpoint_id) if checkpoint_id else self.path)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        save = self._save()
+        save.is_coordinator = is_coordinator
+        if kwargs.get("rank") is not None:
+            save.rank = kwargs["rank"]
         if save.stats is None:
             save.stats = SaveStats(checkpoint_id="", rank=save.rank)
         save.stats.checkpoint_id = save.storage.describe("").rstrip("/")
@@ -327,7 +340,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         result.add_done_callback(lambda f: self._flushed(save, f))
         return _to_torch_future(result)
 
-    def _session_from_planner(self, plan: SavePlan, planner: SavePlanner, rank: int) -> SnapshotSession:
+    def _session_from_planner(
+        self, plan: SavePlan, planner: SavePlanner, rank: int
+    ) -> SnapshotSession:
         items = [(item, provider_from_any_planner(item, planner)) for item in plan.items]
         return self._new_session(items, rank)
 
@@ -340,9 +355,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                     f"rank {rank}: item {item.index.fqn!r} was not in the state dict given to "
                     "stage(); the state dict changed between staging and saving"
                 )
-            if item.tensor_data is not None:
-                shape = tuple(item.tensor_data.chunk.sizes)
-                staged = tuple(getattr(provider, "source").shape)
+            source = getattr(provider, "source", None)
+            if item.tensor_data is not None and source is not None:
+                shape, staged = tuple(item.tensor_data.chunk.sizes), tuple(source.shape)
                 if shape != staged:
                     raise InvalidStateDictError(
                         f"rank {rank}: tensor {item.index.fqn!r} was staged with shape {staged} "
@@ -354,8 +369,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         assert session is not None and stats is not None
         if session.staged_at is not None:
             stats.safe_to_mutate_s = session.staged_at - save.started
+        if fut.exception() is not None or not save.is_coordinator:
+            save.done = True
         if fut.exception() is not None:
-            logger.error("rank %d: save to %s failed: %s", save.rank, stats.checkpoint_id, fut.exception())
+            logger.error(
+                "rank %d: save to %s failed: %s", save.rank, stats.checkpoint_id, fut.exception()
+            )
             return
         results = fut.result()
         stats.items = len(results)
@@ -379,7 +398,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         save = self._save()
         _commit.commit(save.storage, metadata, results, sync=self.options.sync_files)
         self._done(save)
-        self._local.save = None
+        save.done = True
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self._save().path, save_id=uuid.uuid4().hex)

@@ -8,7 +8,8 @@ with :func:`register_provider`; the most specific registered type wins.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
@@ -37,6 +38,11 @@ def unregister_provider(cls: type) -> None:
     _REGISTRY.pop(cls, None)
 
 
+def has_registered_provider(value: Any) -> bool:
+    """Whether a user factory is registered for ``value``'s type (or one of its bases)."""
+    return any(klass in _REGISTRY for klass in type(value).__mro__)
+
+
 def provider_for(item: WriteItem, value: Any) -> StateProvider:
     """The provider that saves ``value``: the tensor DCP's planner resolved for a tensor item, or
     the raw object behind a ``BYTE_IO`` item."""
@@ -55,6 +61,7 @@ __all__ = [
     "ShardProvider",
     "StateProvider",
     "TensorProvider",
+    "has_registered_provider",
     "provider_for",
     "register_provider",
     "unregister_provider",

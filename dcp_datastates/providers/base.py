@@ -51,7 +51,7 @@ class StateProvider(Protocol):
         ...
 
     def copy_into(self, dst: torch.Tensor, start: int, stop: int) -> None:
-        """Copy data bytes ``[start, stop)`` into the uint8 tensor ``dst`` (``stop - start`` long)."""
+        """Copy data bytes ``[start, stop)`` into ``dst``, a uint8 tensor of ``stop - start``."""
         ...
 
     def check_unchanged(self, rank: int) -> None:

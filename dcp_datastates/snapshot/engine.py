@@ -33,7 +33,12 @@ from .pool import HostPool
 logger = logging.getLogger(__name__)
 
 PENDING, ADMITTED, COPIED, RELEASED, SKIPPED, FAILED = (
-    "PENDING", "ADMITTED", "COPIED", "RELEASED", "SKIPPED", "FAILED",
+    "PENDING",
+    "ADMITTED",
+    "COPIED",
+    "RELEASED",
+    "SKIPPED",
+    "FAILED",
 )
 
 
@@ -220,9 +225,7 @@ class SnapshotSession:
 class SnapshotScheduler:
     """Admits pieces of queued sessions into the pool, in order, and runs their copies."""
 
-    def __init__(
-        self, pool: HostPool, *, copy_workers: int, on_stall: Callable[[], None]
-    ) -> None:
+    def __init__(self, pool: HostPool, *, copy_workers: int, on_stall: Callable[[], None]) -> None:
         self.pool = pool
         self._on_stall = on_stall
         self._queue: queue.SimpleQueue[SnapshotSession | None] = queue.SimpleQueue()
@@ -254,7 +257,7 @@ class SnapshotScheduler:
                 continue
             offset = self.pool.reserve(
                 piece.nbytes,
-                cancelled=lambda: session.aborted or piece.state != PENDING,
+                cancelled=lambda piece=piece: session.aborted or piece.state != PENDING,
                 on_stall=self._on_stall,
             )
             if offset is None or not session.admit(piece, offset):

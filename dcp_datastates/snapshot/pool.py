@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -50,7 +50,9 @@ class HostPool:
     def _ensure_buffer(self) -> torch.Tensor:
         if self._buffer is None:
             self._buffer = _cuda.allocate_host_buffer(self.capacity)
-            logger.debug("host pool allocated: %d bytes (pinned=%s)", self.capacity, _cuda.pinning())
+            logger.debug(
+                "host pool allocated: %d bytes (pinned=%s)", self.capacity, _cuda.pinning()
+            )
         return self._buffer
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
