@@ -1,0 +1,334 @@
+"""Worker processes for the multi-process tests, and the launcher the tests use to run them.
+
+Each scenario runs in fresh interpreters (``python _dist_workers.py SCENARIO RANK WORLD PORT DIR``)
+that join a real gloo process group on 127.0.0.1, so nothing distributed (process groups, DCP's
+checkpoint daemon, writer threads) leaks into the pytest process. A worker reports what it saw as
+JSON in ``DIR/rank{RANK}.json``; the tests judge it and load the checkpoint themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Seconds a worker waits on one future; the tests' pytest-timeout bounds the whole run.
+FUTURE_TIMEOUT_S = 30.0
+#: How long the other ranks may still run once one rank has exited with an error.
+FAILED_PEER_GRACE_S = 10.0
+SEED = 1234
+INJECTED = "injected write failure"
+
+
+def full_values(seed: int = SEED) -> dict[str, Any]:
+    """The whole (unsharded) state every rank starts from, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "sharded": torch.randn(8, 6, generator=g),
+        "replicated_dt": torch.randn(5, generator=g, dtype=torch.float64),
+        "plain": torch.randint(0, 1 << 20, (3, 4), generator=g),
+        "meta": {"step": 7, "tag": f"seed-{seed}", "lrs": [0.1, 0.01]},
+    }
+
+
+def empty_like_values(values: dict[str, Any]) -> dict[str, Any]:
+    """A load target of full-size plain tensors (zeros) and placeholder objects."""
+    return {
+        "sharded": torch.zeros_like(values["sharded"]),
+        "replicated_dt": torch.zeros_like(values["replicated_dt"]),
+        "plain": torch.zeros_like(values["plain"]),
+        "meta": {"step": 0, "tag": "", "lrs": []},
+    }
+
+
+# -- launcher (runs in pytest) ------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    output: str
+    report: dict[str, Any]
+
+
+def launch(
+    scenario: str, workdir: Path, *, world_size: int = 2, timeout: float = 60.0
+) -> list[RankResult]:
+    """Run ``scenario`` on ``world_size`` fresh processes; every process is gone on return."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    procs = []
+    for rank in range(world_size):
+        log = open(workdir / f"rank{rank}.log", "w+b")  # noqa: SIM115 - closed below
+        cmd = [
+            sys.executable,
+            __file__,
+            scenario,
+            str(rank),
+            str(world_size),
+            str(port),
+            str(workdir),
+        ]
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout
+    try:
+        for proc, _ in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                if proc.wait(timeout=max(0.1, deadline - time.monotonic())) != 0:
+                    # A dead rank leaves its peers blocked in a collective: don't wait it out.
+                    deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    out = []
+    for rank, (proc, log) in enumerate(procs):
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+        log.close()
+        report_path = workdir / f"rank{rank}.json"
+        report = json.loads(report_path.read_text()) if report_path.exists() else {}
+        out.append(RankResult(rank, proc.returncode, text, report))
+    return out
+
+
+def check_all_ok(results: list[RankResult]) -> None:
+    for r in results:
+        assert r.returncode == 0 and r.report.get("ok"), (
+            f"rank {r.rank} failed (rc={r.returncode}):\n{r.output[-4000:]}"
+        )
+
+
+# -- workers -----------------------------------------------------------------------------------
+def _init(rank: int, world_size: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+
+
+def _rank_state(world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    values = full_values()
+    return {
+        "sharded": distribute_tensor(values["sharded"], mesh, [Shard(0)]),
+        "replicated_dt": distribute_tensor(values["replicated_dt"], mesh, [Replicate()]),
+        "plain": values["plain"].clone(),
+        "meta": copy.deepcopy(values["meta"]),
+    }
+
+
+def _mutate(state: dict[str, Any]) -> None:
+    """What a training step would do once staging is complete: change every tensor in place."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for value in state.values():
+            if isinstance(value, DTensor):
+                value.to_local().add_(1000)
+            elif isinstance(value, torch.Tensor):
+                value.add_(1000)
+    state["meta"]["step"] = -1
+
+
+def _save(mode: str, state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Save ``state`` with one of the three entry points; returns what the caller observed."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter, async_save
+
+    if mode == "sync":
+        dcp.save(state, storage_writer=DataStatesWriter(path))
+        return {"mutated_after_staging": False}
+    if mode == "dcp_async":
+        writer = DataStatesWriter(path)
+        upload = dcp.async_save(state, storage_writer=writer)
+        staging = writer.staging_future
+        assert staging is not None, "stage() was not called by dcp.async_save"
+    elif mode == "ours":
+        response = async_save(state, path)
+        staging, upload = response.staging_completion, response.upload_completion
+    else:
+        raise ValueError(mode)
+    staging.result(timeout=FUTURE_TIMEOUT_S)
+    _mutate(state)
+    upload.result(timeout=FUTURE_TIMEOUT_S)
+    return {"mutated_after_staging": True}
+
+
+def _scenario_save(
+    mode: str, rank: int, world_size: int, port: int, workdir: Path
+) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    _init(rank, world_size, port)
+    try:
+        report = _save(mode, _rank_state(world_size), workdir / "ckpt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return report
+
+
+def _failing_writer_class() -> type:
+    """A ``DataStatesWriter`` whose data files fail part-way through, like a full disk would."""
+    from dcp_datastates import DataStatesWriter
+    from dcp_datastates.format import DATA_SUFFIX
+    from dcp_datastates.storage import LocalStorage
+
+    class _FailingFile:
+        def __init__(self, f: Any) -> None:
+            self._f = f
+            self._writes = 0
+
+        def write(self, data: Any) -> int:
+            self._writes += 1
+            if self._writes > 1:  # the first record's head lands, then the device "fails"
+                raise OSError(errno.EIO, INJECTED)
+            return self._f.write(data)
+
+    class FailingStorage(LocalStorage):
+        @contextlib.contextmanager
+        def open_write(self, name: str, *, sync: bool) -> Iterator[Any]:
+            with super().open_write(name, sync=sync) as f:
+                yield _FailingFile(f) if name.endswith(DATA_SUFFIX) else f
+
+    class FailingWriter(DataStatesWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            save = self._save()
+            save.storage = FailingStorage(save.storage.root)
+            return super().write_data(plan, planner)
+
+    return FailingWriter
+
+
+def _scenario_fail(
+    mode: str, rank: int, world_size: int, port: int, workdir: Path
+) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter, async_save
+
+    _init(rank, world_size, port)
+    path = workdir / "ckpt"
+    writer = _failing_writer_class()(path) if rank == 1 else DataStatesWriter(path)
+    state = _rank_state(world_size)
+    start = time.monotonic()
+    if mode == "dcp_async":
+        upload = dcp.async_save(state, storage_writer=writer)
+    else:
+        upload = async_save(state, writer).upload_completion
+    report: dict[str, Any] = {"failed": False}
+    try:
+        upload.result(timeout=FUTURE_TIMEOUT_S)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        failures = getattr(exc, "failures", None) or {}
+        report = {
+            "failed": True,
+            "type": type(exc).__name__,
+            "is_exception": isinstance(exc, Exception),
+            "message": str(exc),
+            "failed_ranks": sorted(int(r) for r in failures),
+            # DCP keeps (exception, stack) pairs; our CheckpointSaveError keeps the exceptions.
+            "failure_types": {
+                str(r): type(e[0] if mode == "dcp_async" else e).__name__
+                for r, e in failures.items()
+            },
+        }
+    report["seconds"] = time.monotonic() - start
+    dist.barrier()
+    dist.destroy_process_group()
+    return report
+
+
+def _scenario_process(rank: int, world_size: int, port: int, workdir: Path) -> dict[str, Any]:
+    """One rank saves through DCP's PROCESS executor (a daemon); mutates right after staging."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import (
+        AsyncCheckpointerType,
+        AsyncSaveResponse,
+    )
+
+    from dcp_datastates import DataStatesWriter, async_save
+
+    _init(rank, world_size, port)
+    report: dict[str, Any] = {}
+    try:
+        for mode in ("dcp_async", "ours"):
+            state = full_values()
+            path = workdir / mode
+            kind = AsyncCheckpointerType.PROCESS
+            if mode == "dcp_async":
+                response = dcp.async_save(
+                    state, storage_writer=DataStatesWriter(path), async_checkpointer_type=kind
+                )
+            else:
+                response = async_save(state, path, async_checkpointer_type=kind)
+            report[f"{mode}_response"] = type(response).__name__
+            assert isinstance(response, AsyncSaveResponse)
+            response.staging_completion.result(timeout=FUTURE_TIMEOUT_S)
+            _mutate(state)
+            response.upload_completion.result(timeout=FUTURE_TIMEOUT_S)
+        # Proof the save ran in DCP's checkpoint daemon, not on a thread of this process.
+        report["daemon_pids"] = [p.pid for p in multiprocessing.active_children()]
+    finally:
+        dist.destroy_process_group()
+    return report
+
+
+def main(argv: list[str]) -> int:
+    scenario, rank, world_size, port, workdir = (
+        argv[0],
+        int(argv[1]),
+        int(argv[2]),
+        int(argv[3]),
+        Path(argv[4]),
+    )
+    try:
+        if scenario.startswith("save-"):
+            report = _scenario_save(scenario[5:], rank, world_size, port, workdir)
+        elif scenario.startswith("fail-"):
+            report = _scenario_fail(scenario[5:], rank, world_size, port, workdir)
+        elif scenario == "process":
+            report = _scenario_process(rank, world_size, port, workdir)
+        else:
+            raise ValueError(f"unknown scenario {scenario!r}")
+        report["ok"] = True
+    except BaseException:
+        traceback.print_exc()
+        report = {"ok": False, "traceback": traceback.format_exc()}
+    (workdir / f"rank{rank}.json").write_text(json.dumps(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":  # the guard also keeps DCP's spawned daemon from re-running a scenario
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,114 @@
+"""The on-disk format, pinned: a tiny fixed state must produce the committed golden bytes.
+
+Regenerate the golden files only for a deliberate format change (and bump FORMAT_VERSION)::
+
+    python tests/test_format_golden.py
+
+That writes ``tests/golden/manifest.json`` and ``tests/golden/__0_0.distcp``; see
+``tests/golden/README.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_datastates import DataStatesWriter
+from dcp_datastates.format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, METADATA_NAME
+
+GOLDEN = Path(__file__).parent / "golden"
+DATA_FILE = "__0_0.distcp"
+#: The torch release whose ``torch.save`` framing the golden bytes were made with.
+GOLDEN_TORCH = "2.13."
+#: Manifest fields that legitimately differ between machines or torch builds.
+VOLATILE = ("torch",)
+
+
+def golden_state() -> dict[str, Any]:
+    return {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "step": 3}
+
+
+def write_checkpoint(path: Path) -> None:
+    writer = DataStatesWriter(path, flush_workers=1)
+    try:
+        dcp.save(golden_state(), storage_writer=writer, no_dist=True)
+    finally:
+        writer.close()
+
+
+def stable_manifest(path: Path) -> dict[str, Any]:
+    body = json.loads((path / MANIFEST_NAME).read_text())
+    for key in VOLATILE:
+        body.pop(key, None)
+    return body
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("golden")
+    write_checkpoint(path)
+    return path
+
+
+def test_the_checkpoint_holds_one_data_file_a_manifest_and_metadata(saved: Path) -> None:
+    assert sorted(p.name for p in saved.iterdir()) == sorted(
+        [DATA_FILE, MANIFEST_NAME, METADATA_NAME]
+    )
+
+
+def test_the_manifest_describes_each_record(saved: Path) -> None:
+    body = stable_manifest(saved)
+    assert body["format"] == FORMAT_NAME
+    assert body["version"] == FORMAT_VERSION
+    assert body["checksum"] == "crc32c"
+    assert body["world_size"] == 1
+    items = body["items"]
+    assert sorted(items) == ["step", "w@0,0"]
+    assert items["w@0,0"]["kind"] == "tensor"
+    assert items["w@0,0"]["data_length"] == 6 * 4
+    assert items["step"]["kind"] == "object"
+    assert {item["relative_path"] for item in items.values()} == {DATA_FILE}
+
+
+def test_a_tensor_record_holds_the_raw_little_endian_values(saved: Path) -> None:
+    record = stable_manifest(saved)["items"]["w@0,0"]
+    blob = (saved / DATA_FILE).read_bytes()
+
+    raw = blob[record["data_offset"] : record["data_offset"] + record["data_length"]]
+    assert raw == golden_state()["w"].numpy().astype("<f4").tobytes()
+    assert record["offset"] <= record["data_offset"]
+    assert record["data_offset"] + record["data_length"] <= record["offset"] + record["length"]
+
+
+@pytest.mark.skipif(
+    not torch.__version__.startswith(GOLDEN_TORCH),
+    reason=f"golden bytes were made with torch {GOLDEN_TORCH}x; torch.save framing (record "
+    f"headers, offsets, checksums) may differ in torch {torch.__version__}",
+)
+def test_the_manifest_and_data_file_match_the_golden_bytes(saved: Path) -> None:
+    expected_manifest = json.loads((GOLDEN / "manifest.json").read_text())
+    assert stable_manifest(saved) == expected_manifest
+    assert (saved / DATA_FILE).read_bytes() == (GOLDEN / DATA_FILE).read_bytes()
+
+
+def regenerate() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ckpt"
+        write_checkpoint(path)
+        GOLDEN.mkdir(exist_ok=True)
+        manifest = json.dumps(stable_manifest(path), indent=1, sort_keys=True) + "\n"
+        (GOLDEN / "manifest.json").write_text(manifest)
+        shutil.copyfile(path / DATA_FILE, GOLDEN / DATA_FILE)
+    print(f"wrote {GOLDEN} with torch {torch.__version__}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    regenerate()

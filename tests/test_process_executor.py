@@ -1,0 +1,52 @@
+"""``async_checkpointer_type=PROCESS``: DCP pickles the writer into its checkpoint daemon.
+
+DCP's process executor needs an initialized process group (it broadcasts the daemon's store
+address), so one worker process joins a world-size-1 gloo group and saves twice there:
+through ``dcp.async_save`` and through our ``async_save``. The daemon lives and dies with that
+worker, never with pytest. The worker changes every tensor as soon as ``staging_completion``
+resolves; the checkpoints must still hold the values at call time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _dist_workers import check_all_ok, empty_like_values, full_values, launch
+
+from dcp_datastates import DataStatesReader
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
+
+
+@pytest.fixture(scope="module")
+def process_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    workdir = tmp_path_factory.mktemp("process")
+    results = launch("process", workdir, world_size=1, timeout=45)
+    check_all_ok(results)
+    report = results[0].report
+    assert report["dcp_async_response"] == report["ours_response"] == "AsyncSaveResponse"
+    assert report["daemon_pids"], "no checkpoint daemon: the PROCESS executor was not used"
+    for pid in report["daemon_pids"]:
+        assert not os.path.exists(f"/proc/{pid}"), f"checkpoint daemon {pid} outlived its trainer"
+    return workdir
+
+
+@pytest.mark.parametrize("reader", ["stock", "datastates"])
+@pytest.mark.parametrize("entry_point", ["dcp_async", "ours"])
+def test_process_executor_save_holds_values_at_call_time(
+    process_checkpoints: Path, entry_point: str, reader: str
+) -> None:
+    path = process_checkpoints / entry_point
+    target = empty_like_values(full_values())
+    if reader == "stock":
+        dcp.load(target, checkpoint_id=path, no_dist=True)
+    else:
+        dcp.load(target, storage_reader=DataStatesReader(path), no_dist=True)
+    expected = full_values()
+    for fqn in ("sharded", "replicated_dt", "plain"):
+        assert torch.equal(target[fqn], expected[fqn]), f"{fqn}: the save saw a later mutation"
+    assert target["meta"] == expected["meta"]
