@@ -13,6 +13,7 @@ from .errors import (
     InvalidStateDictError,
     SnapshotMutationError,
     StorageWriteError,
+    UnsafeCheckpointError,
 )
 from .options import WriterOptions
 from .planner import DataStatesSavePlanner
@@ -36,6 +37,7 @@ __all__ = [
     "SnapshotMutationError",
     "StateProvider",
     "StorageWriteError",
+    "UnsafeCheckpointError",
     "WriterOptions",
     "async_save",
     "register_provider",

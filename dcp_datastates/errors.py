@@ -50,3 +50,10 @@ class CheckpointNotCommittedError(DataStatesError, FileNotFoundError):
 
 class ChecksumMismatchError(DataStatesError):
     """Bytes read back do not match the checksum recorded when they were written."""
+
+
+class UnsafeCheckpointError(DataStatesError):
+    """A checkpoint asks for something a safe load refuses: a pickled global outside the DCP
+    metadata types, a file path that leaves the checkpoint directory, or an object record that
+    ``torch.load(weights_only=True)`` rejects. Load it with ``DataStatesReader(path,
+    trusted=True)`` only if you trust whoever wrote it."""

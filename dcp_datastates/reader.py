@@ -1,6 +1,10 @@
 """``DataStatesReader``: reads raw data regions straight into the target tensors, verifying
 checksums from the manifest. Checkpoints without a manifest (stock DCP's) load through
-``torch.load`` of each record, as stock DCP does."""
+``torch.load`` of each record, as stock DCP does.
+
+Loads are safe by default (see :mod:`dcp_datastates.safety`): ``.metadata`` unpickles only DCP
+metadata types, file names must stay inside the checkpoint directory, records inside their files,
+and object items must pass ``torch.load(weights_only=True)``. ``trusted=True`` lifts all of this."""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from .format import (
     decode_manifest,
     manifest_key,
 )
+from .safety import check_extents, check_object_record, check_relative_path, load_metadata
 from .storage import storage_for
 
 logger = logging.getLogger(__name__)
@@ -40,21 +45,34 @@ class DataStatesReader(StorageReader):
         verify: Check every record's crc32c while reading (default). A mismatch raises
             :class:`~dcp_datastates.ChecksumMismatchError` naming the file and item.
         io_workers: Files read in parallel.
+        trusted: Skip the safe-load checks and unpickle ``.metadata`` and object items with
+            plain ``pickle`` (``torch.load(weights_only=False)``), which runs any code the files
+            name. Only for checkpoints you trust. Untrusted (the default), anything outside the
+            checks raises :class:`~dcp_datastates.errors.UnsafeCheckpointError`.
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, verify: bool = True, io_workers: int = 4
+        self,
+        path: str | os.PathLike,
+        *,
+        verify: bool = True,
+        io_workers: int = 4,
+        trusted: bool = False,
     ) -> None:
         super().__init__()
+        if io_workers < 1:
+            raise ValueError(f"io_workers must be at least 1, got {io_workers!r}")
         self.path = os.fspath(path)
         self.verify = verify
         self.io_workers = io_workers
+        self.trusted = trusted
         self._reset_state()
 
     def _reset_state(self) -> None:
         self.storage = storage_for(self.path)
         self.metadata: Metadata | None = None
         self.manifest: dict[str, RecordInfo] | None = None
+        self._checked: Metadata | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -73,7 +91,10 @@ class DataStatesReader(StorageReader):
         if not self.storage.exists(METADATA_NAME):
             raise self._not_committed()
         with self.storage.open_read(METADATA_NAME) as f:
-            metadata: Metadata = pickle.load(f)
+            if self.trusted:
+                metadata: Metadata = pickle.load(f)
+            else:
+                metadata = load_metadata(f, self.storage.describe(METADATA_NAME))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         if self.storage.exists(MANIFEST_NAME):
@@ -82,7 +103,22 @@ class DataStatesReader(StorageReader):
         else:
             logger.info("%s has no manifest: loading with torch.load, unverified", self.path)
         self.metadata = metadata
+        self._check_layout()
         return metadata
+
+    def _check_layout(self) -> None:
+        """Safe mode: every file named stays in the directory and every record in its file."""
+        if self.trusted or self.metadata is None or self._checked is self.metadata:
+            return
+        records = []
+        for index, sinfo in self.metadata.storage_data.items():
+            check_relative_path(self.storage, sinfo.relative_path)
+            records.append((index.fqn, sinfo.relative_path, sinfo.offset, sinfo.length))
+        for key, info in (self.manifest or {}).items():
+            check_relative_path(self.storage, info.relative_path)
+            records.append((key, info.relative_path, info.offset, info.length))
+        check_extents(self.storage, records)
+        self._checked = self.metadata
 
     def _not_committed(self) -> CheckpointNotCommittedError:
         try:
@@ -104,6 +140,7 @@ class DataStatesReader(StorageReader):
         if self.manifest is None and self.storage.exists(MANIFEST_NAME):
             with self.storage.open_read(MANIFEST_NAME) as f:
                 self.manifest = decode_manifest(f.read())
+        self._check_layout()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -140,12 +177,12 @@ class DataStatesReader(StorageReader):
                 info = self._record(req.storage_index)
                 if info is None:
                     f.seek(sinfo.offset)
-                    self._load_stock(req, f.read(sinfo.length), planner)
+                    self._load_stock(name, req, f.read(sinfo.length), planner)
                 elif req.type == LoadItemType.BYTE_IO:
                     f.seek(info.offset)
                     blob = f.read(info.length)
                     self._check(name, req, info, crc32c(blob), len(blob))
-                    planner.load_bytes(req, io.BytesIO(blob))
+                    self._load_bytes(name, req, blob, planner)
                 else:
                     self._load_tensor(name, f, req, info, planner)
 
@@ -207,9 +244,16 @@ class DataStatesReader(StorageReader):
             target.copy_(buf)
         planner.commit_tensor(req, target)
 
-    def _load_stock(self, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
+    def _load_bytes(self, name: str, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
+        # DefaultLoadPlanner.load_bytes calls torch.load(weights_only=False): check the record
+        # with the weights-only unpickler first, so that a safe load never runs its globals.
+        if not self.trusted:
+            check_object_record(blob, self.storage.describe(name), req.storage_index.fqn)
+        planner.load_bytes(req, io.BytesIO(blob))
+
+    def _load_stock(self, name: str, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(blob))
+            self._load_bytes(name, req, blob, planner)
             return
         tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         tensor = _narrow(tensor, req)

@@ -83,7 +83,9 @@ def test_every_dtype_and_layout_loads_back_bit_exact(
     state = zoo()
     save(state, make_writer(tmp_path / "ckpt"), tmp_path / "ckpt", api)
 
-    assert_same_state(state, load_like(tmp_path / "ckpt", state, reader))
+    # Our reader's safe mode loads objects with weights_only semantics: allow the test's own class.
+    with torch.serialization.safe_globals([RunInfo]):
+        assert_same_state(state, load_like(tmp_path / "ckpt", state, reader))
 
 
 @pytest.mark.parametrize("reader", READERS)

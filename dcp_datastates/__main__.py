@@ -1,0 +1,7 @@
+"""``python -m dcp_datastates``: the ``dcp-datastates`` command line."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,298 @@
+"""``dcp-datastates``: look inside a checkpoint and check it without loading it.
+
+    dcp-datastates inspect PATH [--json]   items, files per rank, format version, commit state
+    dcp-datastates verify PATH             check every record's crc32c against the manifest
+
+Exit codes: 0 fine; 1 damaged (checksum mismatch, truncated or missing file) or refused by the
+safe-load checks; 2 not committed (no ``.metadata``); 3 (``verify`` only) nothing to verify: a
+stock DCP checkpoint has no manifest, so no checksums.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import re
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from crc32c import crc32c
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+from .errors import ChecksumMismatchError, DataStatesError
+from .format import (
+    DATA_SUFFIX,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    METADATA_NAME,
+    RecordInfo,
+    decode_manifest,
+    manifest_key,
+)
+from .reader import DataStatesReader
+from .safety import check_relative_path, file_size, load_metadata
+from .storage import FsspecStorage, LocalStorage, storage_for
+
+EXIT_OK, EXIT_DAMAGED, EXIT_NOT_COMMITTED, EXIT_NOTHING_TO_VERIFY = 0, 1, 2, 3
+_CHUNK = 4 << 20
+_DATA_FILE = re.compile(r"^__(\d+)_(\d+)" + re.escape(DATA_SUFFIX) + "$")
+
+
+def _data_files(storage: LocalStorage | FsspecStorage) -> list[str]:
+    try:
+        if isinstance(storage, LocalStorage):
+            names = os.listdir(storage.root)
+        else:
+            names = [p.rsplit("/", 1)[-1] for p in storage.fs.ls(storage.root, detail=False)]
+    except (OSError, FileNotFoundError):
+        return []
+    return sorted(n for n in names if n.endswith(DATA_SUFFIX))
+
+
+def _not_committed(path: str, storage: LocalStorage | FsspecStorage, as_json: bool) -> int:
+    files = _data_files(storage)
+    if as_json:
+        print(json.dumps({"path": path, "committed": False, "data_files": files}, indent=1))
+    else:
+        print(f"{path}: NOT COMMITTED (no {METADATA_NAME}; {len(files)} data file(s))")
+        print("The save that wrote it did not finish; do not load it.")
+    return EXIT_NOT_COMMITTED
+
+
+def _read_manifest(storage: LocalStorage | FsspecStorage) -> tuple[dict[str, Any] | None, dict]:
+    if not storage.exists(MANIFEST_NAME):
+        return None, {}
+    with storage.open_read(MANIFEST_NAME) as f:
+        blob = f.read()
+    return json.loads(blob), decode_manifest(blob)
+
+
+def _rank_of(name: str) -> str:
+    match = _DATA_FILE.match(name)
+    return match.group(1) if match else "?"
+
+
+def _describe(path: str, metadata: Metadata, manifest: dict[str, RecordInfo], head: dict | None):
+    items = []
+    for index, sinfo in sorted(
+        metadata.storage_data.items(), key=lambda kv: (kv[0].fqn, tuple(kv[0].offset or ()))
+    ):
+        md = metadata.state_dict_metadata.get(index.fqn)
+        info = manifest.get(manifest_key(index.fqn, index.offset))
+        item: dict[str, Any] = {"fqn": index.fqn}
+        if md is None or isinstance(md, BytesStorageMetadata):
+            item.update(kind=info.kind if info else "object", dtype=None, shape=None)
+        else:
+            sizes = next(
+                (c.sizes for c in md.chunks if tuple(c.offsets) == tuple(index.offset or ())),
+                md.size,
+            )
+            item.update(
+                kind=info.kind if info else "tensor",
+                dtype=str(md.properties.dtype).removeprefix("torch."),
+                shape=list(sizes),
+                chunk_offset=list(index.offset or ()),
+                global_shape=list(md.size),
+            )
+        item.update(bytes=sinfo.length, file=sinfo.relative_path, file_offset=sinfo.offset)
+        items.append(item)
+    files: dict[str, list[str]] = defaultdict(list)
+    for name in sorted({item["file"] for item in items}):
+        files[_rank_of(name)].append(name)
+    return {
+        "path": path,
+        "committed": True,
+        "format": head["format"] if head else "stock DCP (no manifest)",
+        "format_version": head["version"] if head else None,
+        "dcp_metadata_version": getattr(metadata, "version", None),
+        "torch": head.get("torch") if head else None,
+        "world_size": head.get("world_size") if head else None,
+        "verifiable": head is not None,
+        "files": dict(files),
+        "items": items,
+    }
+
+
+def _print_report(report: dict[str, Any], out: TextIO) -> None:
+    version = report["format_version"]
+    print(f"{report['path']}: committed", file=out)
+    print(
+        f"  format: {report['format']}"
+        + (f" v{version} (this package reads v{FORMAT_VERSION})" if version is not None else "")
+        + (f", written by torch {report['torch']}" if report["torch"] else ""),
+        file=out,
+    )
+    if report["world_size"] is not None:
+        print(f"  world size: {report['world_size']}", file=out)
+    print(f"  files ({sum(len(v) for v in report['files'].values())}):", file=out)
+    for rank, names in sorted(report["files"].items()):
+        print(f"    rank {rank}: {' '.join(names)}", file=out)
+    print(f"  items ({len(report['items'])}):", file=out)
+    for item in report["items"]:
+        what = f"{item['dtype']}{item['shape']}" if item["dtype"] is not None else "-"
+        where = f"@{item['chunk_offset']}" if item.get("chunk_offset") else ""
+        print(
+            f"    {item['fqn']}{where}  {item['kind']}  {what}  {item['bytes']} B  "
+            f"{item['file']}+{item['file_offset']}",
+            file=out,
+        )
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    storage = storage_for(args.path)
+    if not storage.exists(METADATA_NAME):
+        return _not_committed(args.path, storage, args.json)
+    try:
+        reader = DataStatesReader(args.path, trusted=args.trusted)
+        metadata = reader.read_metadata()
+        head, _ = _read_manifest(storage)
+    except (DataStatesError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_DAMAGED
+    report = _describe(args.path, metadata, reader.manifest or {}, head)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        _print_report(report, sys.stdout)
+    return EXIT_OK
+
+
+class _Progress:
+    """A one-line byte counter on stderr, redrawn at most ten times a second."""
+
+    def __init__(self, total: int, out: TextIO) -> None:
+        self.total, self.done, self.out, self._last = max(total, 1), 0, out, 0.0
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self._last >= 0.1 or self.done >= self.total:
+            self._last = now
+            width = 30
+            filled = width * self.done // self.total
+            self.out.write(
+                f"\rverify [{'#' * filled}{'.' * (width - filled)}] "
+                f"{self.done / 2**20:.1f}/{self.total / 2**20:.1f} MiB"
+            )
+            self.out.flush()
+
+    def close(self) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _verify_record(f: Any, info: RecordInfo, progress: _Progress) -> tuple[int, int]:
+    """(crc32c, bytes read) of ``[offset, offset + length)``, read in bounded chunks."""
+    f.seek(info.offset)
+    crc, got, left = 0, 0, info.length
+    while left:
+        block = f.read(min(left, _CHUNK))
+        if not block:
+            break
+        crc = crc32c(block, value=crc)
+        got += len(block)
+        left -= len(block)
+        progress.advance(len(block))
+    return crc, got
+
+
+def _verify(args: argparse.Namespace) -> int:
+    storage = storage_for(args.path)
+    if not storage.exists(METADATA_NAME):
+        return _not_committed(args.path, storage, False)
+    try:
+        # .metadata is read (safely) only to cross-check items; the records come from the
+        # manifest, and truncation is reported per record rather than refused up front.
+        with storage.open_read(METADATA_NAME) as f:
+            metadata = (
+                pickle.load(f)
+                if args.trusted
+                else load_metadata(f, storage.describe(METADATA_NAME))
+            )
+        head, manifest = _read_manifest(storage)
+        for info in manifest.values():
+            if not args.trusted:
+                check_relative_path(storage, info.relative_path)
+    except (DataStatesError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_DAMAGED
+    if head is None:
+        print(f"{args.path}: no {MANIFEST_NAME} (a stock DCP checkpoint): no checksums to verify")
+        return EXIT_NOTHING_TO_VERIFY
+
+    failures: list[tuple[str, str, str]] = []  # (file, item, what)
+    for index in metadata.storage_data:
+        if manifest_key(index.fqn, index.offset) not in manifest:
+            failures.append(("-", manifest_key(index.fqn, index.offset), "no manifest entry"))
+    per_file: dict[str, list[tuple[str, RecordInfo]]] = defaultdict(list)
+    for key, info in manifest.items():
+        per_file[info.relative_path].append((key, info))
+    progress = _Progress(sum(info.length for info in manifest.values()), sys.stderr)
+    for name, records in sorted(per_file.items()):
+        try:
+            size = file_size(storage, name)
+            f = storage.open_read(name)
+        except FileNotFoundError:
+            failures.extend((name, key, "file is missing") for key, _ in records)
+            continue
+        with f:
+            for key, info in sorted(records, key=lambda r: r[1].offset):
+                crc, got = _verify_record(f, info, progress)
+                if got != info.length:
+                    failures.append(
+                        (name, key, f"truncated: {got} of {info.length} bytes (file has {size})")
+                    )
+                elif crc != info.crc32c:
+                    failures.append(
+                        (name, key, f"crc32c expected {info.crc32c:#010x}, actual {crc:#010x}")
+                    )
+    progress.close()
+    if failures:
+        print(f"{args.path}: DAMAGED: {len(failures)} of {len(manifest)} record(s) fail")
+        for name, key, what in failures:
+            print(f"  {name}  {key}  {what}")
+        return EXIT_DAMAGED
+    print(f"{args.path}: OK: {len(manifest)} record(s) in {len(per_file)} file(s) match")
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dcp-datastates",
+        description="Inspect and verify DCP checkpoints written by dcp_datastates.",
+        epilog="Exit codes: 0 ok, 1 damaged or refused, 2 not committed, 3 nothing to verify.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (
+        ("inspect", "list items, files per rank, format version and commit state"),
+        ("verify", "check every record's crc32c against the manifest"),
+    ):
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.add_argument("path", help="checkpoint directory (local path or fsspec URL)")
+        cmd.add_argument(
+            "--trusted",
+            action="store_true",
+            help="unpickle .metadata with plain pickle (only for checkpoints you trust)",
+        )
+        if name == "inspect":
+            cmd.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handler = _inspect if args.command == "inspect" else _verify
+    try:
+        return handler(args)
+    except ChecksumMismatchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_DAMAGED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Safe loads refuse hostile checkpoints; the command line inspects and verifies checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import assert_same_state, blank_like, failure_of
+
+from dcp_datastates import DataStatesReader
+from dcp_datastates.errors import ChecksumMismatchError, UnsafeCheckpointError
+from dcp_datastates.format import MANIFEST_NAME, METADATA_NAME
+
+
+@dataclasses.dataclass
+class RunInfo:
+    name: str
+
+
+class Pwn:
+    """Unpickling this runs a shell command: what a hostile checkpoint would carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"echo pwned > {self.marker}",))
+
+
+def _state() -> dict[str, Any]:
+    return {
+        "w": torch.arange(12.0).reshape(3, 4),
+        "half": torch.ones(5, dtype=torch.bfloat16),
+        "nested": {"ids": torch.arange(4), "step": 7},
+    }
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path, make_writer: Any) -> Path:
+    path = tmp_path / "ckpt"
+    dcp.save(_state(), storage_writer=make_writer(path), no_dist=True)
+    return path
+
+
+def _rewrite_metadata(path: Path, edit: Any) -> None:
+    metadata = pickle.loads((path / METADATA_NAME).read_bytes())
+    edit(metadata)
+    (path / METADATA_NAME).write_bytes(pickle.dumps(metadata))
+
+
+def _move_first_record(path: Path, relative_path: str) -> None:
+    def edit(metadata: Any) -> None:
+        index = next(iter(metadata.storage_data))
+        info = metadata.storage_data[index]
+        metadata.storage_data[index] = dataclasses.replace(info, relative_path=relative_path)
+
+    _rewrite_metadata(path, edit)
+
+
+def _load(path: Path, **reader_options: Any) -> dict[str, Any]:
+    target = blank_like(_state())
+    dcp.load(target, storage_reader=DataStatesReader(path, **reader_options), no_dist=True)
+    return target
+
+
+def test_hostile_metadata_is_refused_without_running_it(ckpt: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    (ckpt / METADATA_NAME).write_bytes(pickle.dumps(Pwn(marker)))
+    with pytest.raises(UnsafeCheckpointError) as raised:
+        DataStatesReader(ckpt).read_metadata()
+    assert "system" in str(raised.value) and "trusted=True" in str(raised.value)
+    assert not marker.exists()
+
+
+def test_hostile_object_record_is_refused_without_running_it(
+    tmp_path: Path, make_writer: Any
+) -> None:
+    marker = tmp_path / "marker"
+    path = tmp_path / "ckpt"
+    dcp.save({"hook": Pwn(marker)}, storage_writer=make_writer(path), no_dist=True)
+    assert not marker.exists()
+    with pytest.raises(BaseException) as raised:
+        dcp.load({"hook": None}, storage_reader=DataStatesReader(path), no_dist=True)
+    refused = failure_of(raised.value, UnsafeCheckpointError)
+    assert refused is not None and "'hook'" in str(refused)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("relative_path", ["../elsewhere/__0_0.distcp", "/etc/passwd"])
+def test_file_outside_the_checkpoint_is_refused(ckpt: Path, relative_path: str) -> None:
+    _move_first_record(ckpt, relative_path)
+    with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint directory"):
+        DataStatesReader(ckpt).read_metadata()
+
+
+def test_symlink_out_of_the_checkpoint_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.distcp"
+    outside.write_bytes((ckpt / "__0_0.distcp").read_bytes())
+    (ckpt / "link.distcp").symlink_to(outside)
+    _move_first_record(ckpt, "link.distcp")
+    with pytest.raises(UnsafeCheckpointError, match="resolves to"):
+        DataStatesReader(ckpt).read_metadata()
+
+
+def test_record_past_the_end_of_its_file_is_refused(ckpt: Path) -> None:
+    data = ckpt / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-10])
+    with pytest.raises(ChecksumMismatchError, match="truncated"):
+        DataStatesReader(ckpt).read_metadata()
+
+
+def test_safe_load_reads_our_checkpoints_and_stock_ones(ckpt: Path, tmp_path: Path) -> None:
+    assert_same_state(_state(), _load(ckpt))
+    stock = tmp_path / "stock"
+    dcp.save(_state(), checkpoint_id=str(stock), no_dist=True)
+    assert_same_state(_state(), _load(stock))
+
+
+def test_trusted_loads_what_safe_mode_refuses(tmp_path: Path, make_writer: Any) -> None:
+    path = tmp_path / "ckpt"
+    state = {**_state(), "run": RunInfo("run-7")}
+    dcp.save(state, storage_writer=make_writer(path), no_dist=True)
+    with pytest.raises(BaseException) as raised:
+        dcp.load(blank_like(state), storage_reader=DataStatesReader(path), no_dist=True)
+    refused = failure_of(raised.value, UnsafeCheckpointError)
+    assert refused is not None and "RunInfo" in str(refused)
+    target = blank_like(state)
+    dcp.load(target, storage_reader=DataStatesReader(path, trusted=True), no_dist=True)
+    assert_same_state(state, target)
+
+
+def _cli(*commands: tuple[Any, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``python -m dcp_datastates`` once per command, all at once (each start imports
+    torch, which takes longer than the command)."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dcp_datastates", *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in commands
+    ]
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+def test_cli_inspect_lists_items_files_and_version(ckpt: Path) -> None:
+    text, as_json = _cli(("inspect", ckpt), ("inspect", ckpt, "--json"))
+    assert text.returncode == 0, text.stderr
+    assert "committed" in text.stdout and "bfloat16[5]" in text.stdout
+    assert "rank 0: __0_0.distcp" in text.stdout
+
+    assert as_json.returncode == 0, as_json.stderr
+    report = json.loads(as_json.stdout)
+    assert report["committed"] is True and report["format_version"] == 1
+    items = {item["fqn"]: item for item in report["items"]}
+    assert items["w"]["dtype"] == "float32" and items["w"]["shape"] == [3, 4]
+    assert items["nested.step"]["kind"] == "object"
+    assert set(report["files"]["0"]) == {item["file"] for item in report["items"]}
+
+
+def test_cli_verify_exit_codes_say_ok_damaged_or_not_committed(
+    tmp_path: Path, make_writer: Any
+) -> None:
+    paths = {}
+    for case in ("good", "flipped", "truncated", "uncommitted"):
+        paths[case] = tmp_path / case
+        dcp.save(_state(), storage_writer=make_writer(paths[case]), no_dist=True)
+    record = json.loads((paths["flipped"] / MANIFEST_NAME).read_bytes())["items"]["w@0,0"]
+    data = paths["flipped"] / record["relative_path"]
+    blob = bytearray(data.read_bytes())
+    blob[record["data_offset"] + 3] ^= 0x01
+    data.write_bytes(bytes(blob))
+    data = paths["truncated"] / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-10])
+    (paths["uncommitted"] / METADATA_NAME).unlink()
+
+    good, flipped, truncated, uncommitted, inspect_uncommitted = _cli(
+        *(("verify", path) for path in paths.values()), ("inspect", paths["uncommitted"])
+    )
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "OK" in good.stdout
+    assert flipped.returncode == 1
+    assert "w@0,0" in flipped.stdout and "crc32c expected" in flipped.stdout
+    assert record["relative_path"] in flipped.stdout
+    assert truncated.returncode == 1 and "truncated" in truncated.stdout
+    assert uncommitted.returncode == 2 and "NOT COMMITTED" in uncommitted.stdout
+    assert inspect_uncommitted.returncode == 2
