@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pickle
 import re
 import sys
@@ -43,19 +42,8 @@ _CHUNK = 4 << 20
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)" + re.escape(DATA_SUFFIX) + "$")
 
 
-def _data_files(storage: LocalStorage | FsspecStorage) -> list[str]:
-    try:
-        if isinstance(storage, LocalStorage):
-            names = os.listdir(storage.root)
-        else:
-            names = [p.rsplit("/", 1)[-1] for p in storage.fs.ls(storage.root, detail=False)]
-    except (OSError, FileNotFoundError):
-        return []
-    return sorted(n for n in names if n.endswith(DATA_SUFFIX))
-
-
 def _not_committed(path: str, storage: LocalStorage | FsspecStorage, as_json: bool) -> int:
-    files = _data_files(storage)
+    files = [n for n in storage.list_names() if n.endswith(DATA_SUFFIX)]
     if as_json:
         print(json.dumps({"path": path, "committed": False, "data_files": files}, indent=1))
     else:

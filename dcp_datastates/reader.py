@@ -121,12 +121,7 @@ class DataStatesReader(StorageReader):
         self._checked = self.metadata
 
     def _not_committed(self) -> CheckpointNotCommittedError:
-        try:
-            found = sorted(
-                n for n in os.listdir(self.storage.describe("")) if n.endswith(DATA_SUFFIX)
-            )
-        except OSError:
-            found = []
+        found = [n for n in self.storage.list_names() if n.endswith(DATA_SUFFIX)]
         return CheckpointNotCommittedError(
             f"{self.path} is not a committed checkpoint: it has no {METADATA_NAME} "
             f"({len(found)} data file(s) found). The save that wrote it did not finish; load an "

@@ -47,6 +47,10 @@ class Storage(Protocol):
 
     def open_read(self, name: str) -> BinaryIO: ...
 
+    def list_names(self) -> list[str]:
+        """Names of the files in the directory (empty if it does not exist)."""
+        ...
+
 
 def _write_error(exc: OSError, where: str, rank: int | None = None) -> StorageWriteError:
     who = f"rank {rank}: " if rank is not None else ""
@@ -118,6 +122,12 @@ class LocalStorage:
     def open_read(self, name: str) -> BinaryIO:
         return open(self.describe(name), "rb")  # noqa: SIM115
 
+    def list_names(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return []
+
 
 class FsspecStorage:
     """Any fsspec URL (``memory://``, ``s3://`` through s3fs, ...).
@@ -170,6 +180,14 @@ class FsspecStorage:
 
     def open_read(self, name: str) -> BinaryIO:
         return self.fs.open(self._path(name), "rb")
+
+    def list_names(self) -> list[str]:
+        try:
+            return sorted(
+                p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)
+            )
+        except FileNotFoundError:
+            return []
 
 
 def storage_for(path: str | os.PathLike) -> LocalStorage | FsspecStorage:

@@ -198,7 +198,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         )
         self._check_fits(session, runtime)
         with self._lock:
-            self._sessions = [s for s in self._sessions if not _finished(s)] + [session]
+            self._sessions = [s for s in self._sessions if not s.finished] + [session]
         return session
 
     def _check_fits(self, session: SnapshotSession, runtime: _Runtime) -> None:
@@ -326,7 +326,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.synchronous = True
             self._runtime.scheduler.submit(session)
         else:
-            self._check_plan_matches(plan, session, save.rank)
+            try:
+                self._check_plan_matches(plan, session, save.rank)
+            except InvalidStateDictError as exc:
+                session.abort(exc)  # give its pool blocks back now, not when the thread exits
+                raise
         session.flush_started = True
         result = flush(
             storage=save.storage,
@@ -426,7 +430,3 @@ def _to_torch_future(fut: Future[Any]) -> torch.futures.Future:
 
     fut.add_done_callback(relay)
     return out
-
-
-def _finished(session: SnapshotSession) -> bool:
-    return session.aborted or all(p.state in ("RELEASED", "SKIPPED") for p in session.pieces)

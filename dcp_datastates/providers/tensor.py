@@ -29,17 +29,18 @@ class TensorProvider:
         self.fqn = fqn
         self.source = tensor.detach()  # shares the version counter with the live tensor
         self._version = self.source._version
-        self._frame = record_frame(self.source.dtype, tuple(self.source.shape))
+        self._nbytes = self.source.numel() * self.source.element_size()
         self._rows = self.source.shape[0] if self.source.dim() > 0 else 1
-        self._row_bytes = (self._frame.data_length // self._rows) if self._rows else 0
+        self._row_bytes = (self._nbytes // self._rows) if self._rows else 0
 
     @property
     def nbytes(self) -> int:
-        return self._frame.data_length
+        return self._nbytes
 
     @property
     def frame(self) -> RecordFrame:
-        return self._frame
+        # Built (and cached per dtype/shape) by the flush thread, never on the training thread.
+        return record_frame(self.source.dtype, tuple(self.source.shape))
 
     @property
     def payload(self) -> None:

@@ -209,6 +209,11 @@ class SnapshotSession:
     def aborted(self) -> bool:
         return self.error is not None
 
+    @property
+    def finished(self) -> bool:
+        """No piece holds pool memory any more, nor will."""
+        return self.aborted or all(p.state in (RELEASED, SKIPPED) for p in self.pieces)
+
     def wait(self, slice_: Slice) -> memoryview:
         """Block until the slice's piece is copied; its bytes as a memoryview of the pool."""
         piece = slice_.piece
