@@ -218,7 +218,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         for s in sessions:
             if s.owner is not None and not s.owner.is_alive() and not s.flush_started:
                 s.abort(
-                    SnapshotAbortedError(f"rank {s.rank}: the save thread exited before flushing")
+                    SnapshotAbortedError(
+                        f"rank {s.rank}: the DCP save thread for {s.owner.name} exited before "
+                        "writing its snapshot (its save failed while planning; see that save's "
+                        "error); the snapshot was dropped and its pool space freed"
+                    )
                 )
 
     def close(self) -> None:
@@ -245,7 +249,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             ):
                 stale = self._unclaimed[0]
                 logger.warning("rank %d: a staged snapshot was never saved; dropping it", rank)
-                stale.abort(SnapshotAbortedError(f"rank {rank}: staged but never saved"))
+                stale.abort(
+                    SnapshotAbortedError(
+                        f"rank {rank}: a snapshot staged {_CLAIM_TIMEOUT_S:.0f}s ago was never "
+                        "picked up by a save; it was dropped. Call stage() only through "
+                        "dcp.async_save or dcp_datastates.async_save"
+                    )
+                )
             self._unclaimed = (session, threading.current_thread(), stats)
         if self.options.guard_optimizer_step:
             _guard.guard(session.staged)
