@@ -219,7 +219,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             if s.owner is not None and not s.owner.is_alive() and not s.flush_started:
                 s.abort(
                     SnapshotAbortedError(
-                        f"rank {s.rank}: the DCP save thread for {s.owner.name} exited before "
+                        f"rank {s.rank}: the DCP save thread {s.owner.name!r} exited before "
                         "writing its snapshot (its save failed while planning; see that save's "
                         "error); the snapshot was dropped and its pool space freed"
                     )
