@@ -331,4 +331,14 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":  # the guard also keeps DCP's spawned daemon from re-running a scenario
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    if sys.argv[1] == "process":
+        # Normal teardown is part of what this scenario checks: DCP's daemon must not outlive us.
+        sys.exit(code)
+    # The report is written and every process group destroyed; what is left is interpreter
+    # teardown, where torch's gloo threads can still abort the process ("terminate called
+    # without an active exception", pytorch/pytorch#190489). It hit one CI run after a clean
+    # report, so exit here: the tests judge the report and the files, not torch's teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
