@@ -1,6 +1,10 @@
-"""``DataStatesReader``: reads raw data regions straight into the target tensors, verifying
-checksums from the manifest. Checkpoints without a manifest (stock DCP's) load through
-``torch.load`` of each record, as stock DCP does.
+"""``DataStatesReader``: DCP's storage-reader calls, on top of the load's I/O stage.
+
+Metadata and manifest are read here and checked (safe mode); ``read_data`` groups the plan's
+items by record, resolves their targets on DCP's thread and hands the reads to
+:mod:`dcp_datastates.fetch`, which reads raw data regions straight into the targets in parallel
+and verifies checksums. Stock ``FileSystemWriter`` checkpoints (no manifest) are read the same
+way, with their data located by :mod:`dcp_datastates.locate`, and without checksums.
 
 Loads are safe by default (see :mod:`dcp_datastates.safety`): ``.metadata`` unpickles only DCP
 metadata types, file names must stay inside the checkpoint directory, records inside their files,
@@ -12,17 +16,15 @@ import io
 import logging
 import os
 import pickle
-from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from crc32c import crc32c
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from .errors import CheckpointNotCommittedError, ChecksumMismatchError
+from .errors import CheckpointNotCommittedError
+from .fetch import Fetch, FetchOptions, Record
 from .format import (
     DATA_SUFFIX,
     MANIFEST_NAME,
@@ -44,7 +46,8 @@ class DataStatesReader(StorageReader):
         path: Checkpoint directory (local path or fsspec URL).
         verify: Check every record's crc32c while reading (default). A mismatch raises
             :class:`~dcp_datastates.ChecksumMismatchError` naming the file and item.
-        io_workers: Files read in parallel.
+        io_workers: Reads in flight at once (big records are split into regions read in
+            parallel; small neighbouring records share one read).
         trusted: Skip the safe-load checks and unpickle ``.metadata`` and object items with
             plain ``pickle`` (``torch.load(weights_only=False)``), which runs any code the files
             name. Only for checkpoints you trust. Untrusted (the default), anything outside the
@@ -65,6 +68,7 @@ class DataStatesReader(StorageReader):
         self.path = os.fspath(path)
         self.verify = verify
         self.io_workers = io_workers
+        self.fetch_options = FetchOptions(verify=verify, io_workers=io_workers)
         self.trusted = trusted
         self._reset_state()
 
@@ -144,59 +148,51 @@ class DataStatesReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
-        assert self.metadata is not None
-        per_file: dict[str, list[ReadItem]] = defaultdict(list)
-        for req in plan.items:
-            per_file[self.metadata.storage_data[req.storage_index].relative_path].append(req)
         done: torch.futures.Future = torch.futures.Future()
-        with ThreadPoolExecutor(max(1, min(self.io_workers, len(per_file)))) as pool:
-            jobs = [
-                pool.submit(self._read_file, name, reqs, planner) for name, reqs in per_file.items()
-            ]
         try:
-            for job in jobs:
-                job.result()
+            self._read(plan, planner)
         except BaseException as exc:
             done.set_exception(exc)
             return done
         done.set_result(None)
         return done
 
-    def _read_file(self, name: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         assert self.metadata is not None
-        storage_data = self.metadata.storage_data
-        reqs = sorted(reqs, key=lambda r: storage_data[r.storage_index].offset)
-        with self.storage.open_read(name) as f:
-            for req in reqs:
-                sinfo = storage_data[req.storage_index]
+        records: dict[tuple[str, int], Record] = {}
+        targets: dict[ReadItem, torch.Tensor] = {}
+        for req in plan.items:
+            sinfo = self.metadata.storage_data[req.storage_index]
+            record = records.get((sinfo.relative_path, sinfo.offset))
+            if record is None:
                 info = self._record(req.storage_index)
-                if info is None:
-                    f.seek(sinfo.offset)
-                    self._load_stock(name, req, f.read(sinfo.length), planner)
-                elif req.type == LoadItemType.BYTE_IO:
-                    f.seek(info.offset)
-                    blob = f.read(info.length)
-                    self._check(name, req, info, crc32c(blob), len(blob))
-                    self._load_bytes(name, req, blob, planner)
-                else:
-                    self._load_tensor(name, f, req, info, planner)
+                record = Record(
+                    name=sinfo.relative_path,
+                    fqn=req.storage_index.fqn,
+                    offset=info.offset if info else sinfo.offset,
+                    length=info.length if info else sinfo.length,
+                    info=info,
+                    saved=None
+                    if req.type == LoadItemType.BYTE_IO
+                    else self._saved_chunk(req.storage_index),
+                )
+                records[(sinfo.relative_path, sinfo.offset)] = record
+            record.reqs.append(req)
+            if req.type != LoadItemType.BYTE_IO:
+                # Resolved here, on DCP's thread: planners need not be thread-safe.
+                targets[req] = planner.resolve_tensor(req).detach()
+        fetch = Fetch(self.storage, list(records.values()), targets, self.fetch_options)
+        fetch.run()
+        for req, target in targets.items():
+            planner.commit_tensor(req, target)
+        for req, blob in fetch.blobs.items():
+            name = self.metadata.storage_data[req.storage_index].relative_path
+            self._load_bytes(name, req, blob, planner)
 
     def _record(self, index: MetadataIndex) -> RecordInfo | None:
         if self.manifest is None:
             return None
         return self.manifest.get(manifest_key(index.fqn, index.offset))
-
-    def _check(self, name: str, req: ReadItem, info: RecordInfo, crc: int, got: int) -> None:
-        if got != info.length:
-            raise ChecksumMismatchError(
-                f"{self.storage.describe(name)}: item {req.storage_index.fqn!r} is truncated "
-                f"({got} of {info.length} bytes); the checkpoint is damaged"
-            )
-        if self.verify and crc != info.crc32c:
-            raise ChecksumMismatchError(
-                f"{self.storage.describe(name)}: item {req.storage_index.fqn!r} has crc32c "
-                f"{crc:#010x}, expected {info.crc32c:#010x}; the checkpoint is damaged"
-            )
 
     def _saved_chunk(self, index: MetadataIndex) -> tuple[torch.dtype, torch.Size]:
         assert self.metadata is not None
@@ -206,59 +202,9 @@ class DataStatesReader(StorageReader):
                 return md.properties.dtype, chunk.sizes  # type: ignore[union-attr]
         raise KeyError(f"no saved chunk of {index.fqn!r} at offset {tuple(index.offset)}")
 
-    def _load_tensor(
-        self, name: str, f: Any, req: ReadItem, info: RecordInfo, planner: LoadPlanner
-    ) -> None:
-        dtype, sizes = self._saved_chunk(req.storage_index)
-        target = planner.resolve_tensor(req).detach()
-        whole = tuple(req.storage_offsets) == (0,) * len(sizes) and tuple(req.lengths) == tuple(
-            sizes
-        )
-        direct = (
-            whole
-            and target.is_contiguous()
-            and target.device.type == "cpu"
-            and target.dtype == dtype
-        )
-        buf = target if direct else torch.empty(sizes, dtype=dtype)
-        f.seek(info.offset)
-        head = f.read(info.data_offset - info.offset)
-        got = len(head)
-        if info.data_length:
-            got += f.readinto(memoryview(buf.reshape(-1).view(torch.uint8).numpy()))
-        tail = f.read(info.offset + info.length - info.data_offset - info.data_length)
-        got += len(tail)
-        crc = 0
-        if self.verify:
-            data = buf.reshape(-1).view(torch.uint8).numpy() if info.data_length else b""
-            crc = crc32c(data, value=crc32c(head))
-            crc = crc32c(tail, value=crc)
-        self._check(name, req, info, crc, got)
-        if not direct:
-            buf = _narrow(buf, req)
-            target.copy_(buf)
-        planner.commit_tensor(req, target)
-
     def _load_bytes(self, name: str, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
         # DefaultLoadPlanner.load_bytes calls torch.load(weights_only=False): check the record
         # with the weights-only unpickler first, so that a safe load never runs its globals.
         if not self.trusted:
             check_object_record(blob, self.storage.describe(name), req.storage_index.fqn)
         planner.load_bytes(req, io.BytesIO(blob))
-
-    def _load_stock(self, name: str, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
-        if req.type == LoadItemType.BYTE_IO:
-            self._load_bytes(name, req, blob, planner)
-            return
-        tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        tensor = _narrow(tensor, req)
-        target = planner.resolve_tensor(req).detach()
-        target.copy_(tensor)
-        planner.commit_tensor(req, target)
-
-
-def _narrow(tensor: torch.Tensor, req: ReadItem) -> torch.Tensor:
-    """The part of a saved chunk that ``req`` asks for (resharding)."""
-    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
-        tensor = tensor.narrow(dim, start, length)
-    return tensor

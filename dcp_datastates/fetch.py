@@ -1,0 +1,423 @@
+"""The load's I/O stage: records read straight into their targets, in parallel, verified.
+
+Per data file, records are taken in file order:
+
+- a run of small neighbouring records (each at most ``coalesce_bytes``) is one read into one
+  buffer, then split into its records;
+- a big record is read in regions of at most ``split_bytes`` straight into its target tensor (or
+  into a bounce buffer when the target is not a plain CPU tensor of the saved chunk: resharding,
+  another dtype, a CUDA tensor through pinned memory), and the regions are read in parallel.
+
+Region reads run before new records start (a priority queue), so the memory in flight stays near
+``io_workers`` records however large the checkpoint. A record's checksum is checked when its
+last region lands, over head, data and tail in order.
+
+Records of stock ``FileSystemWriter`` checkpoints carry no manifest entry: their data is found
+with :func:`~dcp_datastates.locate.locate_tensor`, and read the same way, without a checksum.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from crc32c import crc32c
+from torch.distributed.checkpoint.planner import ReadItem
+
+from .errors import ChecksumMismatchError
+from .format import RecordInfo
+from .locate import NotLocatable, StockLayout, locate_stock_tensor
+from .storage import RangedFile
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Record:
+    """One record of a data file and the read items it serves."""
+
+    name: str  # data file
+    fqn: str
+    offset: int
+    length: int
+    info: RecordInfo | None  # manifest entry; None for a stock record
+    reqs: list[ReadItem] = field(default_factory=list)
+    saved: tuple[torch.dtype, torch.Size] | None = None  # None for an object item
+
+    @property
+    def is_bytes(self) -> bool:
+        return self.saved is None
+
+
+@dataclass(frozen=True)
+class FetchOptions:
+    verify: bool = True
+    io_workers: int = 4
+    coalesce_bytes: int = 1 << 20  # records up to this size share reads with their neighbours
+    span_bytes: int = 16 << 20  # at most this much per coalesced read
+    gap_bytes: int = 64 << 10  # neighbours at most this far apart share a read
+    split_bytes: int = 32 << 20  # big records are read in regions of this size, in parallel
+
+
+class _Runner:
+    """A pool that runs urgent jobs (region reads) before others; the first error wins."""
+
+    def __init__(self, workers: int) -> None:
+        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = (
+            queue.PriorityQueue()
+        )
+        self._order = itertools.count()
+        self._lock = threading.Condition()
+        self._pending = 0
+        self.error: BaseException | None = None
+        self._threads = [
+            threading.Thread(target=self._work, name=f"datastates-read_{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: Callable[[], None], *, urgent: bool) -> None:
+        with self._lock:
+            self._pending += 1
+        self._queue.put((0 if urgent else 1, next(self._order), job))
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()[2]
+            if job is None:
+                return
+            try:
+                if self.error is None:
+                    job()
+            except BaseException as exc:
+                with self._lock:
+                    if self.error is None:
+                        self.error = exc
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    if not self._pending:
+                        self._lock.notify_all()
+
+    def join(self) -> None:
+        """Wait for every job (and the jobs they submitted); raise the first error."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._pending)
+        for _ in self._threads:
+            self._queue.put((2, next(self._order), None))
+        for t in self._threads:
+            t.join()
+        if self.error is not None:
+            raise self.error
+
+
+class Fetch:
+    """Reads ``records`` of ``storage`` into ``targets``; object items land in ``blobs``."""
+
+    def __init__(
+        self,
+        storage: Any,
+        records: list[Record],
+        targets: dict[ReadItem, torch.Tensor],
+        options: FetchOptions,
+    ) -> None:
+        self.storage = storage
+        self.records = records
+        self.targets = targets
+        self.options = options
+        self.blobs: dict[ReadItem, bytes] = {}
+        self.fallbacks: list[str] = []  # stock records loaded whole with torch.load
+        self._lock = threading.Lock()
+        self._files: dict[str, RangedFile] = {}
+        self._pin = torch.cuda.is_available() and any(t.is_cuda for t in targets.values())
+
+    # -- driving ------------------------------------------------------------------------------
+    def run(self) -> None:
+        by_file: dict[str, list[Record]] = {}
+        for record in self.records:
+            by_file.setdefault(record.name, []).append(record)
+        runner = _Runner(max(1, self.options.io_workers))
+        try:
+            for name, records in by_file.items():
+                self._files[name] = self.storage.open_ranged(name)
+                for job in self._jobs(sorted(records, key=lambda r: r.offset), runner):
+                    runner.submit(job, urgent=False)
+        finally:
+            try:
+                runner.join()
+            finally:
+                for f in self._files.values():
+                    f.close()
+                if self._pin:
+                    torch.cuda.synchronize()  # the non-blocking copies out of pinned memory
+        if self.fallbacks:
+            logger.info(
+                "%d stock record(s) loaded whole with torch.load (their data offset could not "
+                "be found), e.g. %s",
+                len(self.fallbacks),
+                self.fallbacks[0],
+            )
+
+    def _jobs(self, records: list[Record], runner: _Runner) -> list[Callable[[], None]]:
+        opts = self.options
+        jobs: list[Callable[[], None]] = []
+        span: list[Record] = []
+
+        def close_span() -> None:
+            if span:
+                jobs.append(_bind(self._read_span, list(span)))
+                span.clear()
+
+        for record in records:
+            if record.length > opts.coalesce_bytes:
+                close_span()
+                jobs.append(_bind(self._start_record, record, runner))
+                continue
+            if span and (
+                record.offset - (span[-1].offset + span[-1].length) > opts.gap_bytes
+                or record.offset + record.length - span[0].offset > opts.span_bytes
+                or record.offset < span[-1].offset + span[-1].length
+            ):
+                close_span()
+            span.append(record)
+        close_span()
+        return jobs
+
+    # -- small records: one read for a run of neighbours --------------------------------------
+    def _read_span(self, records: list[Record]) -> None:
+        first = records[0].offset
+        buf = bytearray(max(r.offset + r.length for r in records) - first)
+        view = memoryview(buf)
+        got = self._files[records[0].name].read_into(first, [view])
+        for record in records:
+            start = record.offset - first
+            self._from_memory(record, view[start : start + max(0, min(record.length, got - start))])
+
+    def _from_memory(self, record: Record, mv: memoryview) -> None:
+        """Check and deliver a record held whole in memory."""
+        if record.info is not None:
+            self._check(record, crc32c(mv) if self.options.verify else 0, mv.nbytes)
+        elif mv.nbytes != record.length:
+            raise self._truncated(record)
+        if record.is_bytes:
+            blob = bytes(mv)
+            for req in record.reqs:
+                self.blobs[req] = blob
+            return
+        if record.info is not None:
+            start = record.info.data_offset - record.offset
+            data = _as_uint8(mv[start : start + record.info.data_length])
+            self._deliver(record, self._saved_view(record, data))
+            return
+        try:
+            layout = self._locate(record, _memory_reader(mv))
+        except NotLocatable:
+            self._deliver(record, self._load_whole(record, mv))
+            return
+        storage = mv[layout.data_offset : layout.data_offset + layout.storage_nbytes]
+        self._deliver(record, layout.tensor(_as_uint8(storage)))
+
+    # -- big records: regions read in parallel, straight into the target ----------------------
+    def _start_record(self, record: Record, runner: _Runner) -> None:
+        if record.is_bytes:
+            self._read_span([record])
+            return
+        layout: StockLayout | None = None
+        if record.info is None:
+            try:
+                layout = self._locate(record, self._file_reader(record))
+            except NotLocatable:
+                self._read_span([record])  # _from_memory falls back to torch.load
+                return
+            data_at, nbytes = record.offset + layout.data_offset, layout.storage_nbytes
+            head, tail = b"", b""
+        else:
+            info = record.info
+            self._check_extent(record)
+            data_at, nbytes = info.data_offset, info.data_length
+            head = bytearray(info.data_offset - info.offset)
+            tail = bytearray(info.offset + info.length - info.data_offset - info.data_length)
+        target = self._direct_target(record, layout)
+        data = target if target is not None else self._bounce(nbytes)
+        data_bytes = memoryview(_bytes_of(data).numpy()) if nbytes else memoryview(b"")
+
+        regions: list[tuple[int, list[memoryview]]] = []
+        step = self.options.split_bytes
+        for start in range(0, max(nbytes, 1), step):
+            bufs = [data_bytes[start : start + step]]
+            if start == 0 and head:
+                bufs.insert(0, memoryview(head))
+            if start + step >= nbytes and tail:
+                bufs.append(memoryview(tail))
+            at = data_at + start - (len(head) if start == 0 else 0)
+            regions.append((at, bufs))
+        left = [len(regions)]
+
+        def finish() -> None:
+            if record.info is not None:
+                crc = 0
+                if self.options.verify:
+                    crc = crc32c(tail, value=crc32c(data_bytes, value=crc32c(head)))
+                self._check(record, crc, record.info.length)
+            if target is None:
+                saved = (
+                    layout.tensor(data) if layout is not None else self._saved_view(record, data)
+                )
+                self._deliver(record, saved)
+
+        def read_region(at: int, bufs: list[memoryview]) -> None:
+            want = sum(b.nbytes for b in bufs)
+            got = self._files[record.name].read_into(at, bufs)
+            if got != want:
+                raise self._truncated(record)
+            with self._lock:
+                left[0] -= 1
+                last = not left[0]
+            if last:
+                finish()
+
+        for at, bufs in regions:
+            runner.submit(_bind(read_region, at, bufs), urgent=True)
+
+    def _locate(self, record: Record, read_at: Callable[[int, int], bytes]) -> StockLayout:
+        assert record.saved is not None
+        dtype, sizes = record.saved
+        return locate_stock_tensor(read_at, record.length, dtype, tuple(sizes), self._item(record))
+
+    def _direct_target(self, record: Record, layout: StockLayout | None) -> torch.Tensor | None:
+        """The target itself when the record's data is exactly its bytes; else None."""
+        if len(record.reqs) != 1 or record.saved is None:
+            return None
+        req = record.reqs[0]
+        dtype, sizes = record.saved
+        target = self.targets[req]
+        whole = tuple(req.storage_offsets) == (0,) * len(sizes) and tuple(req.lengths) == tuple(
+            sizes
+        )
+        fits = (
+            whole
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+            and target.dtype == dtype
+            and tuple(target.shape) == tuple(sizes)
+        )
+        if layout is not None:
+            fits = fits and layout.plain and layout.dtype == dtype and layout.size == tuple(sizes)
+        return target if fits else None
+
+    def _bounce(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+
+    # -- shared ---------------------------------------------------------------------------------
+    def _saved_view(self, record: Record, data: torch.Tensor) -> torch.Tensor:
+        """The saved chunk over ``data`` (uint8, as written by our writer)."""
+        assert record.saved is not None
+        dtype, sizes = record.saved
+        want = torch.Size(sizes).numel() * torch.empty((), dtype=dtype).element_size()
+        if data.numel() != want:
+            raise ChecksumMismatchError(
+                f"{self._where(record)}: the manifest gives {data.numel()} data bytes for item "
+                f"{record.fqn!r}, but a {dtype} chunk of shape {tuple(sizes)} has {want}; the "
+                "checkpoint is damaged"
+            )
+        if not want:
+            return torch.empty(sizes, dtype=dtype)
+        return data.view(dtype).view(sizes)
+
+    def _deliver(self, record: Record, saved: torch.Tensor) -> None:
+        for req in record.reqs:
+            target = self.targets[req]
+            source = _narrow(saved, req)
+            if source.data_ptr() == target.data_ptr() and source.shape == target.shape:
+                continue  # read in place
+            target.copy_(source, non_blocking=target.is_cuda)
+
+    def _load_whole(self, record: Record, mv: memoryview) -> torch.Tensor:
+        with self._lock:
+            self.fallbacks.append(f"{record.fqn!r} in {self._where(record)}")
+        tensor = torch.load(io.BytesIO(mv), map_location="cpu", weights_only=True)
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{self._where(record)}: item {record.fqn!r} is not a tensor")
+        return tensor
+
+    def _file_reader(self, record: Record) -> Callable[[int, int], bytes]:
+        ranged = self._files[record.name]
+
+        def read_at(offset: int, n: int) -> bytes:
+            buf = bytearray(max(0, min(n, record.length - offset)))
+            got = ranged.read_into(record.offset + offset, [memoryview(buf)])
+            return bytes(buf[:got])
+
+        return read_at
+
+    def _check_extent(self, record: Record) -> None:
+        info = record.info
+        assert info is not None
+        if not (
+            info.offset <= info.data_offset
+            and info.data_length >= 0
+            and info.data_offset + info.data_length <= info.offset + info.length
+        ):
+            raise ChecksumMismatchError(
+                f"{self._where(record)}: the manifest places item {record.fqn!r}'s data outside "
+                "its record; the checkpoint is damaged"
+            )
+
+    def _check(self, record: Record, crc: int, got: int) -> None:
+        info = record.info
+        assert info is not None
+        if got != info.length:
+            raise self._truncated(record)
+        if self.options.verify and crc != info.crc32c:
+            raise ChecksumMismatchError(
+                f"{self._where(record)}: item {record.fqn!r} has crc32c {crc:#010x}, expected "
+                f"{info.crc32c:#010x}; the checkpoint is damaged"
+            )
+
+    def _truncated(self, record: Record) -> ChecksumMismatchError:
+        return ChecksumMismatchError(
+            f"{self._where(record)}: item {record.fqn!r} is truncated (the file ends inside its "
+            f"{record.length}-byte record); the checkpoint is damaged"
+        )
+
+    def _where(self, record: Record) -> str:
+        return self.storage.describe(record.name)
+
+    def _item(self, record: Record) -> str:
+        return f"{self.storage.describe(record.name)}: item {record.fqn!r}"
+
+
+def _bind(fn: Callable[..., None], *args: Any) -> Callable[[], None]:
+    return lambda: fn(*args)
+
+
+def _memory_reader(mv: memoryview) -> Callable[[int, int], bytes]:
+    return lambda offset, n: bytes(mv[offset : offset + n])
+
+
+def _as_uint8(mv: memoryview) -> torch.Tensor:
+    if not mv.nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mv, dtype=torch.uint8)
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _narrow(tensor: torch.Tensor, req: ReadItem) -> torch.Tensor:
+    """The part of a saved chunk that ``req`` asks for (resharding)."""
+    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+__all__ = ["Fetch", "FetchOptions", "Record"]

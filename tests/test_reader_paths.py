@@ -1,0 +1,218 @@
+"""The reader's I/O paths: coalesced small records, big records split into parallel regions,
+stock records located without torch.load, bounce buffers, and damage found on each path.
+
+Every load here is checked against what stock ``FileSystemReader`` loads into the same targets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import MiB, assert_same_state, blank_like, data_files, failure_of
+
+from dcp_datastates import ChecksumMismatchError, DataStatesReader
+from dcp_datastates import fetch as fetch_module
+from dcp_datastates.fetch import FetchOptions
+from dcp_datastates.locate import NotLocatable
+
+#: Small reads everywhere: nothing is coalesced and every big record is split into many regions.
+TINY_READS = FetchOptions(io_workers=3, coalesce_bytes=0, span_bytes=0, split_bytes=4096)
+READ_SHAPES = {"default": FetchOptions(), "tiny_reads": TINY_READS}
+
+
+def mixed_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    big = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    return {
+        "big": big(512, 1024),  # 2 MiB: a record of its own, split into regions
+        "big_t": big(600, 700).t(),  # non-contiguous: stock keeps its strides in the record
+        "big_bf16": big(1 << 20).bfloat16(),
+        "small": [big(3, 4), torch.arange(10, dtype=torch.int16), torch.tensor(1.5)],
+        "empty": torch.empty(0, 4),
+        "mask": torch.rand(1000, generator=g) > 0.5,
+        "step": 12,
+        "note": {"text": "hello", "lrs": [0.1, 0.01]},
+    }
+
+
+def save(state: dict[str, Any], path: Path, writer: str) -> None:
+    if writer == "stock":
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    else:
+        from dcp_datastates import DataStatesWriter
+
+        w = DataStatesWriter(path)
+        try:
+            dcp.save(state, storage_writer=w, no_dist=True)
+        finally:
+            w.close()
+
+
+def read(path: Path | str, target: dict[str, Any], options: FetchOptions, **kw: Any) -> None:
+    reader = DataStatesReader(path, **kw)
+    reader.fetch_options = options
+    dcp.load(target, storage_reader=reader, no_dist=True)
+
+
+@pytest.fixture
+def no_whole_record_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if any record is loaded with torch.load instead of read in place."""
+
+    def refuse(self: Any, record: Any, mv: Any) -> None:
+        raise AssertionError(f"{record.fqn} was loaded whole with torch.load")
+
+    monkeypatch.setattr(fetch_module.Fetch, "_load_whole", refuse)
+
+
+@pytest.mark.parametrize("shape", READ_SHAPES)
+@pytest.mark.parametrize("writer", ("stock", "datastates"))
+def test_both_writers_load_bit_exact_on_every_read_path(
+    tmp_path: Path, writer: str, shape: str, no_whole_record_loads: None
+) -> None:
+    state = mixed_state()
+    save(state, tmp_path, writer)
+    target = blank_like(state)
+    read(tmp_path, target, READ_SHAPES[shape])
+    assert_same_state(state, target)
+
+
+@pytest.mark.parametrize("writer", ("stock", "datastates"))
+def test_targets_unlike_the_saved_chunk_load_as_stock_loads_them(
+    tmp_path: Path, writer: str
+) -> None:
+    """Another dtype, a non-contiguous target, a strided view: the bounce-buffer path."""
+    state = mixed_state()
+    save(state, tmp_path, writer)
+
+    def targets() -> dict[str, Any]:
+        return {
+            "big": torch.zeros(1024, 512).t(),  # non-contiguous
+            "big_t": torch.zeros(700, 600, dtype=torch.float64),  # another dtype, contiguous
+            "big_bf16": torch.zeros(1 << 20, dtype=torch.float32),
+            "mask": torch.zeros(2000, dtype=torch.bool)[::2],  # a strided view
+        }
+
+    ours, stock = targets(), targets()
+    read(tmp_path, ours, TINY_READS)
+    dcp.load(stock, checkpoint_id=str(tmp_path), no_dist=True)
+    assert_same_state(stock, ours)
+    torch.testing.assert_close(ours["big_t"], state["big_t"].double())
+
+
+def test_a_stock_record_whose_data_cannot_be_located_falls_back_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = mixed_state()
+    save(state, tmp_path, "stock")
+
+    def cannot(*args: Any) -> None:
+        raise NotLocatable("this torch does not report data offsets")
+
+    monkeypatch.setattr(fetch_module, "locate_stock_tensor", cannot)
+    target = blank_like(state)
+    with caplog.at_level(logging.INFO, logger="dcp_datastates.fetch"):
+        read(tmp_path, target, FetchOptions())
+    assert_same_state(state, target)
+    lines = [r.getMessage() for r in caplog.records if "loaded whole" in r.getMessage()]
+    # One log line for the whole load, counting every tensor record read (DCP plans no read for
+    # a tensor without elements).
+    tensors = [v for v in [*state.values(), *state["small"]] if isinstance(v, torch.Tensor)]
+    read_records = sum(1 for t in tensors if t.numel())
+    assert len(lines) == 1 and lines[0].startswith(f"{read_records} stock record(s)"), lines
+
+
+@pytest.mark.parametrize("shape", READ_SHAPES)
+def test_a_flipped_byte_inside_a_split_record_is_found(tmp_path: Path, shape: str) -> None:
+    state = {"big": torch.randn(512, 1024), "small": torch.randn(8)}
+    save(state, tmp_path, "datastates")
+    path, data_offset = _where_big_is(tmp_path)
+    data = bytearray(path.read_bytes())
+    where = data_offset + MiB  # the middle of the 2 MiB record: not its head, not its first region
+    data[where] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert_damage_found(
+        lambda: read(tmp_path, blank_like(state), READ_SHAPES[shape]),
+        r"item 'big' has crc32c 0x[0-9a-f]{8}, expected 0x[0-9a-f]{8}",
+    )
+
+
+@pytest.mark.parametrize("writer", ("stock", "datastates"))
+def test_a_truncated_file_is_found_by_the_reads_themselves(tmp_path: Path, writer: str) -> None:
+    """Trusted mode skips the up-front extent check: the short read itself must be caught."""
+    state = {"big": torch.randn(512, 1024)}
+    save(state, tmp_path, writer)
+    (path,) = [p for p in data_files(tmp_path) if p.stat().st_size > MiB]
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - 100_000)
+    assert_damage_found(
+        lambda: read(tmp_path, blank_like(state), TINY_READS, trusted=True),
+        r"__0_0\.distcp: item 'big' is truncated",
+    )
+
+
+def test_an_fsspec_checkpoint_loads_through_ranged_reads(memory_url: str) -> None:
+    state = mixed_state()
+    save(state, memory_url, "datastates")  # type: ignore[arg-type]
+    for options in READ_SHAPES.values():
+        target = blank_like(state)
+        read(memory_url, target, options)
+        assert_same_state(state, target)
+
+
+def test_read_options_are_the_readers(tmp_path: Path) -> None:
+    reader = DataStatesReader(tmp_path, verify=False, io_workers=7)
+    assert reader.fetch_options == dataclasses.replace(FetchOptions(), verify=False, io_workers=7)
+
+
+def assert_damage_found(load: Any, pattern: str) -> None:
+    """``load`` fails (through DCP's wrapper) with our checksum error matching ``pattern``."""
+    with pytest.raises(BaseException) as caught:  # DCP's CheckpointException is a BaseException
+        load()
+    error = failure_of(caught.value, ChecksumMismatchError)
+    assert error is not None, f"not a checksum error: {caught.value!r}"
+    assert re.search(pattern, str(error)), str(error)
+
+
+def _where_big_is(path: Path) -> tuple[Path, int]:
+    """The data file holding item ``big`` and the offset of its raw bytes, from the manifest."""
+    from dcp_datastates.format import MANIFEST_NAME, decode_manifest
+
+    info = decode_manifest((path / MANIFEST_NAME).read_bytes())["big@0,0"]
+    return path / info.relative_path, info.data_offset
+
+
+def test_stock_records_from_another_torch_are_parsed_not_trusted_by_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_whole_record_loads: None
+) -> None:
+    """Records whose head differs from this torch's frame (another torch wrote them) take the
+    zip-and-pickle parse instead of the frame shortcut, and still read in place."""
+    from dcp_datastates import locate
+    from dcp_datastates.format import RecordFrame
+
+    state = mixed_state()
+    save(state, tmp_path, "stock")
+    parsed: list[int] = []
+    real_parse, real_frame = locate.locate_tensor, locate.record_frame
+
+    def foreign_frame(dtype: torch.dtype, size: tuple[int, ...]) -> RecordFrame:
+        frame = real_frame(dtype, size)
+        return RecordFrame(b"\0" + frame.head[1:], frame.tail, frame.data_length)
+
+    def counting_parse(*args: Any) -> Any:
+        parsed.append(1)
+        return real_parse(*args)
+
+    monkeypatch.setattr(locate, "record_frame", foreign_frame)
+    monkeypatch.setattr(locate, "locate_tensor", counting_parse)
+    for options in READ_SHAPES.values():
+        target = blank_like(state)
+        read(tmp_path, target, options)
+        assert_same_state(state, target)
+    assert len(parsed) == 2 * 7  # every tensor record with elements, in both read shapes
