@@ -197,6 +197,47 @@ def _scenario_save(
     return report
 
 
+def _scenario_load(reader: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
+    """Load a checkpoint saved by ONE process into DTensors sharded over ``world_size`` ranks
+    (rows, and columns: a non-contiguous local target); report what differs from the saved values.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dcp_datastates import DataStatesReader
+
+    _init(rank, world_size, port)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        values = full_values()
+        blank = empty_like_values(values)
+        target = {
+            "sharded": distribute_tensor(blank["sharded"], mesh, [Shard(0)]),
+            "replicated_dt": distribute_tensor(blank["replicated_dt"], mesh, [Replicate()]),
+            "plain": distribute_tensor(blank["plain"], mesh, [Shard(1)]),
+            "meta": blank["meta"],
+        }
+        path = workdir / "ckpt"
+        if reader == "stock":
+            dcp.load(target, checkpoint_id=path)
+        else:
+            dcp.load(target, storage_reader=DataStatesReader(path))
+        differs = []
+        for fqn in ("sharded", "replicated_dt", "plain"):
+            expected = distribute_tensor(values[fqn], mesh, target[fqn].placements).to_local()
+            if not torch.equal(target[fqn].to_local(), expected):
+                differs.append(fqn)
+        if target["meta"] != values["meta"]:
+            differs.append("meta")
+        local_shapes = {k: list(target[k].to_local().shape) for k in ("sharded", "plain")}
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return {"differs": differs, "local_shapes": local_shapes}
+
+
 def _failing_writer_class() -> type:
     """A ``DataStatesWriter`` whose data files fail part-way through, like a full disk would."""
     from dcp_datastates import DataStatesWriter
@@ -316,6 +357,8 @@ def main(argv: list[str]) -> int:
     try:
         if scenario.startswith("save-"):
             report = _scenario_save(scenario[5:], rank, world_size, port, workdir)
+        elif scenario.startswith("load-"):
+            report = _scenario_load(scenario[5:], rank, world_size, port, workdir)
         elif scenario.startswith("fail-"):
             report = _scenario_fail(scenario[5:], rank, world_size, port, workdir)
         elif scenario == "process":

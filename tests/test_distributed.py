@@ -1,7 +1,8 @@
 """Two real gloo ranks save DTensors, replicated tensors and objects; this process loads them.
 
 Every save runs in fresh worker processes (see ``_dist_workers.py``); loading happens here, in
-one process with no process group, so each checkpoint is also resharded from 2 ranks to 1.
+one process with no process group, so each checkpoint is also resharded from 2 ranks to 1. The
+other way round, a checkpoint saved here loads resharded onto two ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _dist_workers import INJECTED, check_all_ok, empty_like_values, full_values, launch
 
-from dcp_datastates import CheckpointNotCommittedError, DataStatesReader
+from dcp_datastates import CheckpointNotCommittedError, DataStatesReader, DataStatesWriter
 from dcp_datastates.format import (
     DATA_SUFFIX,
     MANIFEST_NAME,
@@ -62,6 +63,25 @@ def test_two_rank_checkpoint_loads_resharded_in_one_process(
         assert loaded[fqn].dtype == expected[fqn].dtype
         assert torch.equal(loaded[fqn], expected[fqn]), f"{fqn} differs from what the ranks saved"
     assert loaded["meta"] == expected["meta"]
+
+
+@pytest.mark.parametrize("writer", ["stock", "datastates"])
+@pytest.mark.parametrize("reader", ["stock", "datastates"])
+def test_one_process_checkpoint_loads_resharded_onto_two_ranks(
+    tmp_path: Path, writer: str, reader: str
+) -> None:
+    """1 -> 2: saved without a process group, loaded into DTensors sharded by rows and by
+    columns (a non-contiguous local target) on two gloo ranks."""
+    state = full_values()
+    if writer == "stock":
+        dcp.save(state, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    else:
+        dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "ckpt"), no_dist=True)
+    results = launch(f"load-{reader}", tmp_path, timeout=45)
+    check_all_ok(results)
+    for r in results:
+        assert r.report["differs"] == [], f"rank {r.rank} loaded wrong values"
+        assert r.report["local_shapes"] == {"sharded": [4, 6], "plain": [3, 2]}
 
 
 def test_replicated_items_are_written_once(two_rank_checkpoint: Path) -> None:
