@@ -15,13 +15,13 @@ import json
 import pickle
 import re
 import sys
-import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, TextIO
 
 from crc32c import crc32c
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from tqdm import tqdm
 
 from .errors import ChecksumMismatchError, DataStatesError
 from .format import (
@@ -150,31 +150,7 @@ def _inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-class _Progress:
-    """A one-line byte counter on stderr, redrawn at most ten times a second."""
-
-    def __init__(self, total: int, out: TextIO) -> None:
-        self.total, self.done, self.out, self._last = max(total, 1), 0, out, 0.0
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self._last >= 0.1 or self.done >= self.total:
-            self._last = now
-            width = 30
-            filled = width * self.done // self.total
-            self.out.write(
-                f"\rverify [{'#' * filled}{'.' * (width - filled)}] "
-                f"{self.done / 2**20:.1f}/{self.total / 2**20:.1f} MiB"
-            )
-            self.out.flush()
-
-    def close(self) -> None:
-        self.out.write("\n")
-        self.out.flush()
-
-
-def _verify_record(f: Any, info: RecordInfo, progress: _Progress) -> tuple[int, int]:
+def _verify_record(f: Any, info: RecordInfo, progress: tqdm) -> tuple[int, int]:
     """(crc32c, bytes read) of ``[offset, offset + length)``, read in bounded chunks."""
     f.seek(info.offset)
     crc, got, left = 0, 0, info.length
@@ -185,7 +161,7 @@ def _verify_record(f: Any, info: RecordInfo, progress: _Progress) -> tuple[int, 
         crc = crc32c(block, value=crc)
         got += len(block)
         left -= len(block)
-        progress.advance(len(block))
+        progress.update(len(block))
     return crc, got
 
 
@@ -220,7 +196,15 @@ def _verify(args: argparse.Namespace) -> int:
     per_file: dict[str, list[tuple[str, RecordInfo]]] = defaultdict(list)
     for key, info in manifest.items():
         per_file[info.relative_path].append((key, info))
-    progress = _Progress(sum(info.length for info in manifest.values()), sys.stderr)
+    progress = tqdm(
+        total=sum(info.length for info in manifest.values()),
+        desc="verify",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        disable=args.quiet,
+    )
     for name, records in sorted(per_file.items()):
         try:
             size = file_size(storage, name)
@@ -269,6 +253,8 @@ def _parser() -> argparse.ArgumentParser:
         )
         if name == "inspect":
             cmd.add_argument("--json", action="store_true", help="print JSON instead of text")
+        else:
+            cmd.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     return parser
 
 

@@ -188,11 +188,16 @@ def test_cli_verify_exit_codes_say_ok_damaged_or_not_committed(
     data.write_bytes(data.read_bytes()[:-10])
     (paths["uncommitted"] / METADATA_NAME).unlink()
 
-    good, flipped, truncated, uncommitted, inspect_uncommitted = _cli(
-        *(("verify", path) for path in paths.values()), ("inspect", paths["uncommitted"])
+    good, flipped, truncated, uncommitted, inspect_uncommitted, quiet = _cli(
+        *(("verify", path) for path in paths.values()),
+        ("inspect", paths["uncommitted"]),
+        ("verify", paths["good"], "--quiet"),
     )
     assert good.returncode == 0, good.stdout + good.stderr
     assert "OK" in good.stdout
+    # The progress bar goes to stderr and ends full; --quiet drops it, not the verdict.
+    assert "verify: 100%" in good.stderr
+    assert quiet.returncode == 0 and "OK" in quiet.stdout and "verify:" not in quiet.stderr
     assert flipped.returncode == 1
     assert "w@0,0" in flipped.stdout and "crc32c expected" in flipped.stdout
     assert record["relative_path"] in flipped.stdout
