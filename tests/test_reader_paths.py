@@ -7,6 +7,7 @@ Every load here is checked against what stock ``FileSystemReader`` loads into th
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import re
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import MiB, assert_same_state, blank_like, data_files, failure_of
 
-from dcp_datastates import ChecksumMismatchError, DataStatesReader
+from dcp_datastates import ChecksumMismatchError, DataStatesReader, UnsafeCheckpointError
 from dcp_datastates import fetch as fetch_module
 from dcp_datastates.fetch import FetchOptions
 from dcp_datastates.locate import NotLocatable
@@ -216,3 +217,40 @@ def test_stock_records_from_another_torch_are_parsed_not_trusted_by_shape(
         read(tmp_path, target, options)
         assert_same_state(state, target)
     assert len(parsed) == 2 * 7  # every tensor record with elements, in both read shapes
+
+
+class _Evil:
+    """Unpickling this runs ``marker.touch()``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+def test_a_tensor_record_whose_pickle_runs_code_is_refused_in_safe_mode(tmp_path: Path) -> None:
+    """Stock records are parsed with torch.load: only with weights_only, so a record's pickle
+    cannot run code even where a tensor is expected."""
+    import pickle
+
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "pwned"
+    save({"t": torch.randn(4)}, ckpt, "stock")
+    buf = io.BytesIO()
+    torch.save(_Evil(marker), buf)
+    (ckpt / "evil.distcp").write_bytes(buf.getvalue())
+    metadata_path = ckpt / ".metadata"
+    metadata = pickle.loads(metadata_path.read_bytes())
+    (index,) = [i for i in metadata.storage_data if i.fqn == "t"]
+    info = metadata.storage_data[index]
+    metadata.storage_data[index] = dataclasses.replace(
+        info, relative_path="evil.distcp", offset=0, length=len(buf.getvalue())
+    )
+    metadata_path.write_bytes(pickle.dumps(metadata))
+
+    with pytest.raises(BaseException) as caught:
+        read(ckpt, {"t": torch.zeros(4)}, FetchOptions())
+    error = failure_of(caught.value, UnsafeCheckpointError)
+    assert error is not None, repr(caught.value)
+    assert "evil.distcp: item 't'" in str(error) and "weights_only" in str(error)
+    assert not marker.exists()
