@@ -10,8 +10,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
+from .errors import DataStatesError
 from .format import MANIFEST_NAME, METADATA_NAME, RecordInfo, encode_manifest, manifest_key
-from .storage import Storage
+from .storage import Storage, _write_error
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ def commit(
     results: list[list[WriteResult]],
     *,
     sync: bool,
+    rank: int | None = None,
 ) -> None:
     """Write the manifest and then ``.metadata``. ``.metadata`` holds stock DCP types only."""
     storage_data: dict = {}
@@ -43,9 +45,20 @@ def commit(
             storage_data[wr.index] = _StorageInfo(info.relative_path, info.offset, info.length)
             entries[manifest_key(wr.index.fqn, wr.index.offset)] = info
     manifest = encode_manifest(entries, world_size=len(results), torch_version=torch.__version__)
-    storage.put_atomic(MANIFEST_NAME, manifest, sync=sync)
+    _put(storage, MANIFEST_NAME, manifest, sync=sync, rank=rank)
 
     metadata.version = DCP_VERSION
     metadata.storage_data = storage_data
-    storage.put_atomic(METADATA_NAME, pickle.dumps(metadata), sync=sync)
+    _put(storage, METADATA_NAME, pickle.dumps(metadata), sync=sync, rank=rank)
     logger.debug("committed %s (%d items)", storage.describe(METADATA_NAME), len(storage_data))
+
+
+def _put(storage: Storage, name: str, data: bytes, *, sync: bool, rank: int | None) -> None:
+    # A bare OSError from write/fsync/rename names neither the file nor the rank (a full
+    # device at commit time said only "[Errno 28] No space left on device").
+    try:
+        storage.put_atomic(name, data, sync=sync)
+    except OSError as exc:
+        if isinstance(exc, DataStatesError):
+            raise
+        raise _write_error(exc, storage.describe(name), rank) from exc

@@ -133,7 +133,9 @@ class _FsspecRangedFile:
 def _write_error(exc: OSError, where: str, rank: int | None = None) -> StorageWriteError:
     who = f"rank {rank}: " if rank is not None else ""
     hint = (
-        " (the device is full; free space or save elsewhere)" if exc.errno == errno.ENOSPC else ""
+        " (ENOSPC: the device is full; free space or save elsewhere)"
+        if exc.errno == errno.ENOSPC
+        else ""
     )
     err = StorageWriteError(exc.errno or errno.EIO, f"{who}writing {where} failed: {exc}{hint}")
     err.filename = where
