@@ -34,7 +34,16 @@ def provider_from_any_planner(item: WriteItem, planner: SavePlanner) -> StatePro
         value = planner.lookup_object(item.index)
         if has_registered_provider(value):
             return provider_for(item, value)
-    data = planner.resolve_data(item)
+    try:
+        data = planner.resolve_data(item)
+    except Exception as exc:
+        if item.type != WriteItemType.BYTE_IO:
+            raise
+        # DCP's resolve_data torch.saves the object; its pickling error names no item.
+        raise InvalidStateDictError(
+            f"item {item.index.fqn!r} cannot be serialized: {exc}. Make it picklable, drop it "
+            "from the state dict, or register a provider for its type"
+        ) from exc
     if isinstance(data, io.BytesIO):
         return ObjectProvider(item.index.fqn, data.getvalue())
     return provider_for(item, data)
