@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from concurrent.futures import Future
@@ -10,8 +11,10 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from .errors import CheckpointSaveError
+from .errors import CheckpointSaveError, SnapshotAbortedError
 from .writer import DataStatesWriter
+
+logger = logging.getLogger(__name__)
 
 
 def async_save(
@@ -32,16 +35,18 @@ def async_save(
         checkpoint is durable and committed, or raises :class:`CheckpointSaveError` (an
         ``Exception``, unlike DCP's ``CheckpointException``) naming the failing ranks.
     """
-    writer = (
-        path_or_writer
-        if isinstance(path_or_writer, DataStatesWriter)
-        else DataStatesWriter(path_or_writer)
-    )
     for name in ("storage_writer", "async_stager"):
         if name in kwargs:
             raise TypeError(f"async_save got {name}=; pass a DataStatesWriter as path_or_writer")
+    owned = not isinstance(path_or_writer, DataStatesWriter)
+    writer = DataStatesWriter(path_or_writer) if owned else path_or_writer
     start = time.monotonic()
-    returned = dcp.async_save(state_dict, storage_writer=writer, **kwargs)
+    try:
+        returned = dcp.async_save(state_dict, storage_writer=writer, **kwargs)
+    except BaseException as exc:
+        if owned:
+            _close_owned(writer, exc)
+        raise
     blocked = time.monotonic() - start
     if isinstance(returned, AsyncSaveResponse):  # PROCESS mode: staging is a future already
         upload, staging = returned.upload_completion, returned.staging_completion
@@ -54,6 +59,8 @@ def async_save(
     def relay(f: Future[Any]) -> None:
         if writer.last_stats is not None:
             writer.last_stats.blocked_s = blocked
+        if owned:  # a writer made for one save: release its pool and threads before reporting
+            _close_owned(writer, f.exception())
         try:
             out.set_result(f.result())
         except BaseException as exc:  # CheckpointException is a BaseException
@@ -61,6 +68,19 @@ def async_save(
 
     upload.add_done_callback(relay)
     return AsyncSaveResponse(staging_completion=staging, upload_completion=out)
+
+
+def _close_owned(writer: DataStatesWriter, error: BaseException | None) -> None:
+    """Close a writer made for one save; without this every ``async_save(sd, path)`` kept a host
+    pool and four threads alive for the life of the process."""
+    try:
+        if error is not None:
+            writer._drop_unwritten(
+                SnapshotAbortedError(f"the save failed, its snapshot was dropped: {error}")
+            )
+        writer.close()
+    except Exception:  # the save's own outcome is what the caller must see
+        logger.exception("closing the writer of %s failed", writer.path)
 
 
 def _as_error(exc: BaseException) -> BaseException:

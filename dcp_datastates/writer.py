@@ -30,6 +30,7 @@ snapshots queue for the pool in order, their flushes run on their own DCP thread
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -58,7 +59,7 @@ from .snapshot import guard as _guard
 from .snapshot.engine import SnapshotScheduler, SnapshotSession
 from .snapshot.pool import HostPool
 from .stats import SaveStats
-from .storage import Storage, storage_for
+from .storage import LocalStorage, Storage, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -77,23 +78,42 @@ def _current_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _async_save_mode() -> str | None:
-    """The ``async_checkpointer_type`` of the ``dcp.async_save`` that called ``stage()``, if any.
+def _async_save_call() -> dict[str, Any]:
+    """Arguments of the ``dcp.async_save`` that called ``stage()`` (empty if there is none).
 
-    DCP does not tell a stager which executor will run the save, and the process executor needs a
-    different hand-off (see ``process_staging``), so look one or two frames up.
+    DCP tells a stager neither which executor will run the save (the process executor needs a
+    different hand-off, see ``process_staging``) nor where the checkpoint goes, so look a few
+    frames up.
     """
     frame = sys._getframe(1)
     for _ in range(6):
         if frame is None:
-            return None
+            return {}
         if frame.f_code.co_name == "async_save" and frame.f_code.co_filename.endswith(
             "state_dict_saver.py"
         ):
             mode = frame.f_locals.get("async_checkpointer_type")
-            return getattr(mode, "value", None)
+            return {
+                "mode": getattr(mode, "value", None),
+                "checkpoint_id": frame.f_locals.get("checkpoint_id"),
+            }
         frame = frame.f_back
-    return None
+    return {}
+
+
+def _refuse_file_target(path: str | os.PathLike) -> None:
+    """Refuse, on the caller's thread, a local checkpoint path that is an existing file.
+
+    Otherwise the save only fails later on DCP's save thread (``prepare_local_plan``), and the
+    caller of an async save learns it from a traceback of that thread.
+    """
+    storage = storage_for(path)
+    if isinstance(storage, LocalStorage) and os.path.isfile(storage.root):
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            f"checkpoint path {storage.root} exists and is not a directory; pick another path",
+            storage.root,
+        )
 
 
 class _Runtime:
@@ -225,6 +245,15 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                     )
                 )
 
+    def _drop_unwritten(self, error: BaseException) -> None:
+        """Abort snapshots that no save will write any more (for a writer whose saves are over:
+        a save that failed while planning leaves its copied pieces holding the pool)."""
+        with self._lock:
+            sessions = [s for s in self._sessions if not s.finished]
+            self._unclaimed = None
+        for s in sessions:
+            s.abort(error)
+
     def close(self) -> None:
         """Release the host pool and the writer's threads (waits for running saves)."""
         if self._runtime is not None:
@@ -235,7 +264,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE | Future[STATE_DICT_TYPE]:
         """Start the lazy snapshot of ``state_dict`` and return at once (see the lifecycle)."""
         start = time.monotonic()
-        if _async_save_mode() == "process":
+        call = _async_save_call()
+        _refuse_file_target(call.get("checkpoint_id") or self.path)
+        if call.get("mode") == "process":
             staged = stage_for_process(state_dict, guard=self.options.guard_optimizer_step)
             self._last_staged = staged.staged
             return staged.result
@@ -410,7 +441,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         save = self._save()
-        _commit.commit(save.storage, metadata, results, sync=self.options.sync_files)
+        _commit.commit(
+            save.storage, metadata, results, sync=self.options.sync_files, rank=save.rank
+        )
         self._done(save)
         save.done = True
 
