@@ -1,0 +1,116 @@
+"""Bad input: each is refused on the caller's thread, by the call itself, with an error that
+names the culprit, and leaves nothing behind (no directory, no data file, no held snapshot).
+
+Covered for our ``async_save`` (given a path, or a reused writer) and for ``dcp.async_save``
+with our writer. A plain ``dcp.save`` has no ``stage()``: there the writer sees the state only in
+``write_data`` and DCP raises its ``CheckpointException`` from the call (see the last test).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _faults_util import BOUNDED_S, wait_until
+from conftest import assert_same_state, data_files, load_like
+
+from dcp_datastates import DataStatesWriter, InvalidStateDictError, async_save
+from dcp_datastates.format import METADATA_NAME
+
+
+class ScaledTensor(torch.Tensor):
+    """A tensor subclass the writer cannot copy raw."""
+
+
+def _cases() -> dict[str, tuple[dict[str, Any], type[BaseException], str]]:
+    good = torch.ones(4)
+    return {
+        "unpicklable object": (
+            {"w": good, "lock": threading.Lock()},
+            InvalidStateDictError,
+            "'lock'",
+        ),
+        "tensor subclass": (
+            {"w": good.as_subclass(ScaledTensor)},
+            InvalidStateDictError,
+            "ScaledTensor",
+        ),
+        "non-string key": ({"w": good, 3: good}, InvalidStateDictError, "key 3"),
+        "nested non-string key": (
+            {"model": {"w": good, 0: {"exp_avg": good}}},
+            InvalidStateDictError,
+            "key 0 under 'model.'",
+        ),
+        "empty state dict": ({}, InvalidStateDictError, "empty"),
+    }
+
+
+CASES = _cases()
+ENTRY_POINTS = ["async_save(path)", "async_save(writer)", "dcp.async_save"]
+
+
+def _call(entry: str, state: dict, path: Path, writer: DataStatesWriter) -> Any:
+    if entry == "async_save(path)":
+        return async_save(state, path, no_dist=True)
+    if entry == "async_save(writer)":
+        return async_save(state, writer, checkpoint_id=str(path), no_dist=True)
+    return dcp.async_save(state, storage_writer=writer, checkpoint_id=str(path), no_dist=True)
+
+
+def _the_writer_still_saves(writer: DataStatesWriter, tmp_path: Path) -> None:
+    good = {"w": torch.arange(6.0), "step": 1}
+    path = tmp_path / "after"
+    async_save(good, writer, checkpoint_id=str(path), no_dist=True).upload_completion.result(
+        timeout=BOUNDED_S
+    )
+    assert_same_state(good, load_like(path, good, "datastates"))
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_state_dict_is_refused_at_the_call_site_and_leaves_nothing(
+    tmp_path: Path, make_writer, case: str, entry: str
+) -> None:
+    state, error, names = CASES[case]
+    writer = make_writer(tmp_path / "unused")
+    path = tmp_path / "ckpt"
+    threads = threading.active_count()
+
+    with pytest.raises(error, match=None) as raised:  # raised by the call, on this thread
+        _call(entry, state, path, writer)
+    assert names in str(raised.value)
+    assert not path.exists()
+    # Nothing was queued: no save thread was started, and the writer saves the next state.
+    wait_until(lambda: threading.active_count() <= threads, BOUNDED_S, "stray threads to end")
+    _the_writer_still_saves(writer, tmp_path)
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_checkpoint_path_that_is_a_file_is_refused_at_the_call_site(
+    tmp_path: Path, make_writer, entry: str
+) -> None:
+    path = tmp_path / "not-a-dir"
+    path.write_bytes(b"precious")
+    writer = make_writer(tmp_path / "unused")
+
+    with pytest.raises(NotADirectoryError) as raised:
+        _call(entry, {"w": torch.ones(3)}, path, writer)
+    assert str(path) in str(raised.value) and "not a directory" in str(raised.value)
+    assert path.read_bytes() == b"precious"
+    _the_writer_still_saves(writer, tmp_path)
+
+
+@pytest.mark.parametrize("case", ["unpicklable object", "tensor subclass"])
+def test_plain_dcp_save_refuses_it_from_the_call_and_writes_no_file(
+    tmp_path: Path, make_writer, case: str
+) -> None:
+    state, error, names = CASES[case]
+    path = tmp_path / "ckpt"
+    with pytest.raises(BaseException) as raised:  # DCP's CheckpointException
+        dcp.save(state, storage_writer=make_writer(path), no_dist=True)
+    assert names in str(raised.value) and error.__name__ in str(raised.value)
+    assert data_files(path) == [] and not (path / METADATA_NAME).exists()
