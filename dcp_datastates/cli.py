@@ -57,7 +57,8 @@ def _read_manifest(storage: LocalStorage | FsspecStorage) -> tuple[dict[str, Any
         return None, {}
     with storage.open_read(MANIFEST_NAME) as f:
         blob = f.read()
-    return json.loads(blob), decode_manifest(blob)
+    manifest = decode_manifest(blob, storage.describe(MANIFEST_NAME))  # checks it first
+    return json.loads(blob), manifest
 
 
 def _rank_of(name: str) -> str:

@@ -32,7 +32,7 @@ from crc32c import crc32c
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .errors import ChecksumMismatchError
-from .format import RecordInfo
+from .format import RecordInfo, data_start
 from .locate import NotLocatable, StockLayout, locate_stock_tensor
 from .storage import RangedFile
 
@@ -214,6 +214,7 @@ class Fetch:
             return
         if record.info is not None:
             start = record.info.data_offset - record.offset
+            self._check_data_offset(record, mv[:start])
             data = _as_uint8(mv[start : start + record.info.data_length])
             self._deliver(record, self._saved_view(record, data))
             return
@@ -263,6 +264,7 @@ class Fetch:
 
         def finish() -> None:
             if record.info is not None:
+                self._check_data_offset(record, head)
                 crc = 0
                 if self.options.verify:
                     crc = crc32c(tail, value=crc32c(data_bytes, value=crc32c(head)))
@@ -369,6 +371,17 @@ class Fetch:
             raise ChecksumMismatchError(
                 f"{self._where(record)}: the manifest places item {record.fqn!r}'s data outside "
                 "its record; the checkpoint is damaged"
+            )
+
+    def _check_data_offset(self, record: Record, head: Any) -> None:
+        """The record's data starts where the manifest says: its checksum covers the bytes, not
+        where the data begins among them."""
+        info = record.info
+        assert info is not None
+        if info.data_length and data_start(bytes(head)) != len(head):
+            raise ChecksumMismatchError(
+                f"{self._where(record)}: item {record.fqn!r}: its data does not start at "
+                f"data_offset {info.data_offset}, as the manifest says; the checkpoint is damaged"
             )
 
     def _check(self, record: Record, crc: int, got: int) -> None:

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import struct
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from crc32c import crc32c
 from torch.serialization import skip_data
+
+from .errors import ChecksumMismatchError
 
 FORMAT_NAME = "dcp_datastates"
 FORMAT_VERSION = 1
@@ -115,10 +120,18 @@ def manifest_key(fqn: str, offset: Any) -> str:
     return f"{fqn}@{','.join(str(int(o)) for o in offset)}"
 
 
+#: The manifest's own checksum: CRC-32C of the canonical encoding of every other field.
+MANIFEST_CRC_FIELD = "manifest_crc32c"
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, indent=1, sort_keys=True).encode()
+
+
 def encode_manifest(
     entries: dict[str, RecordInfo], *, world_size: int, torch_version: str
 ) -> bytes:
-    body = {
+    body: dict[str, Any] = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "torch": torch_version,
@@ -126,16 +139,67 @@ def encode_manifest(
         "checksum": "crc32c",
         "items": {key: asdict(info) for key, info in sorted(entries.items())},
     }
-    return json.dumps(body, indent=1, sort_keys=True).encode()
+    body[MANIFEST_CRC_FIELD] = crc32c(_canonical(body))
+    return _canonical(body)
 
 
-def decode_manifest(blob: bytes) -> dict[str, RecordInfo]:
-    body = json.loads(blob)
+def decode_manifest(blob: bytes, where: str = "the manifest") -> dict[str, RecordInfo]:
+    """Parse and check a manifest; ``where`` names it in errors.
+
+    Raises :class:`~dcp_datastates.ChecksumMismatchError` when it is damaged (not JSON, its own
+    checksum does not match, a field is missing) and ``ValueError`` for a version this package
+    does not read.
+    """
+
+    def damaged(why: str) -> ChecksumMismatchError:
+        return ChecksumMismatchError(
+            f"{where} is damaged ({why}), so no record of the checkpoint can be verified. Load "
+            "an earlier checkpoint; stock dcp.load(..., checkpoint_id=path) still reads this one, "
+            "without checksums"
+        )
+
+    try:
+        body = json.loads(blob)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise damaged(f"not UTF-8 JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise damaged(f"a JSON {type(body).__name__}, not an object")
     if body.get("format") != FORMAT_NAME:
-        raise ValueError(f"not a {FORMAT_NAME} manifest (format={body.get('format')!r})")
+        raise damaged(f"format is {body.get('format')!r}, not {FORMAT_NAME!r}")
     if body.get("version") != FORMAT_VERSION:
         raise ValueError(
-            f"manifest format version {body.get('version')!r} is not supported by this "
-            f"dcp_datastates (reads version {FORMAT_VERSION}); upgrade the package"
+            f"{where} has format version {body.get('version')!r}, which this dcp_datastates "
+            f"does not read (it reads version {FORMAT_VERSION}); upgrade the package"
         )
-    return {key: RecordInfo(**value) for key, value in body["items"].items()}
+    expected = body.pop(MANIFEST_CRC_FIELD, None)
+    if not isinstance(expected, int):
+        raise damaged(f"no {MANIFEST_CRC_FIELD}")
+    actual = crc32c(_canonical(body))
+    if actual != expected:
+        raise damaged(f"its crc32c is {actual:#010x}, expected {expected:#010x}")
+    try:
+        return {key: RecordInfo(**value) for key, value in body["items"].items()}
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise damaged(f"{type(exc).__name__}: {exc}") from None
+
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header, before its name
+_DATA_ENTRY = re.compile(rb"/data/\d+$")
+
+
+def data_start(head: bytes) -> int | None:
+    """Where the data of the zip entry that ``head`` ends with starts (the end of the last local
+    file header), when that entry is a stored ``torch.save`` storage; None otherwise.
+
+    Our records are ``head + data + tail``; a reader checks the manifest's ``data_offset`` with
+    it, since the record checksum covers the bytes but not where data begins among them.
+    """
+    at = head.rfind(b"PK\x03\x04")
+    if at < 0 or at + _LOCAL_HEADER.size > len(head):
+        return None
+    fields = _LOCAL_HEADER.unpack_from(head, at)
+    method, name_len, extra_len = fields[3], fields[9], fields[10]
+    name = head[at + _LOCAL_HEADER.size : at + _LOCAL_HEADER.size + name_len]
+    if method != 0 or not _DATA_ENTRY.search(name):
+        return None
+    return at + _LOCAL_HEADER.size + name_len + extra_len

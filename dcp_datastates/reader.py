@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from .errors import CheckpointNotCommittedError
+from .errors import CheckpointNotCommittedError, ChecksumMismatchError
 from .fetch import Fetch, FetchOptions, Record
 from .format import (
     DATA_SUFFIX,
@@ -101,14 +101,58 @@ class DataStatesReader(StorageReader):
                 metadata = load_metadata(f, self.storage.describe(METADATA_NAME))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        if self.storage.exists(MANIFEST_NAME):
-            with self.storage.open_read(MANIFEST_NAME) as f:
-                self.manifest = decode_manifest(f.read())
-        else:
-            logger.info("%s has no manifest: loading with torch.load, unverified", self.path)
         self.metadata = metadata
+        self._load_manifest()
         self._check_layout()
+        self._check_manifest_matches_metadata()
+        self._check_manifest_matches_metadata()
         return metadata
+
+    def _load_manifest(self) -> None:
+        if self.manifest is not None:
+            return
+        if not self.storage.exists(MANIFEST_NAME):
+            logger.info("%s has no manifest (stock DCP): nothing to verify", self.path)
+            return
+        with self.storage.open_read(MANIFEST_NAME) as f:
+            blob = f.read()
+        try:
+            self.manifest = decode_manifest(blob, self.storage.describe(MANIFEST_NAME))
+        except ChecksumMismatchError as exc:
+            if self.verify:
+                raise
+            logger.warning("verify=False: reading without the manifest, unverified: %s", exc)
+
+    def _check_manifest_matches_metadata(self) -> None:
+        """Every item in ``.metadata`` has the manifest entry for the same record: an item the
+        manifest lost would otherwise load unverified."""
+        if self.metadata is None or self.manifest is None:
+            return
+        where = self.storage.describe(MANIFEST_NAME)
+        for index, sinfo in self.metadata.storage_data.items():
+            key = manifest_key(index.fqn, index.offset)
+            info = self.manifest.get(key)
+            if info is None:
+                raise ChecksumMismatchError(
+                    f"{where} has no entry for item {key!r}, which {METADATA_NAME} lists; the "
+                    "checkpoint is damaged"
+                )
+            placed = (info.relative_path, info.offset, info.length)
+            if placed != (sinfo.relative_path, sinfo.offset, sinfo.length):
+                raise ChecksumMismatchError(
+                    f"{where} places item {key!r} at {placed}, but {METADATA_NAME} at "
+                    f"{(sinfo.relative_path, sinfo.offset, sinfo.length)}; the checkpoint is "
+                    "damaged"
+                )
+            # An object record is serialized whole; a raw provider's record (kind "tensor")
+            # may back an object item too, and is read whole the same way.
+            is_object = info.kind == "object"
+            if is_object and (info.data_offset, info.data_length) != (info.offset, info.length):
+                raise ChecksumMismatchError(
+                    f"{where}: object item {key!r} has data_offset/data_length "
+                    f"{(info.data_offset, info.data_length)}, not its record's "
+                    f"{(info.offset, info.length)}; the checkpoint is damaged"
+                )
 
     def _check_layout(self) -> None:
         """Safe mode: every file named stays in the directory and every record in its file."""
@@ -136,10 +180,9 @@ class DataStatesReader(StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self.metadata = metadata
-        if self.manifest is None and self.storage.exists(MANIFEST_NAME):
-            with self.storage.open_read(MANIFEST_NAME) as f:
-                self.manifest = decode_manifest(f.read())
+        self._load_manifest()
         self._check_layout()
+        self._check_manifest_matches_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

@@ -233,69 +233,25 @@ def manifest_trials(pristine: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return out
 
 
-MANIFEST_CATEGORIES = {
-    "unparsable": pytest.mark.xfail(
-        strict=True,
-        raises=AssertionError,
-        reason="reader bug: a manifest that is not valid JSON/UTF-8 raises a bare "
-        "JSONDecodeError/UnicodeDecodeError from decode_manifest, naming neither the manifest "
-        "file nor the checkpoint",
-    ),
-    "format or version": None,
-    "record crc32c": None,
-    "record offset": None,
-    "record length": None,
-    "record data_length": pytest.mark.xfail(
-        strict=True,
-        raises=AssertionError,
-        reason="reader bug: an object record's data_offset/data_length are never read or "
-        "checked (it loads offset/length), so flips there pass unnoticed (harmless: the "
-        "record still verifies); tensor records do detect them",
-    ),
-    "record data_offset": pytest.mark.xfail(
-        strict=True,
-        raises=AssertionError,
-        reason="reader bug: data_offset is not covered by the record crc32c (the crc runs over "
-        "head+data+tail, whatever the split) and the reader does not check it against the "
-        "record frame, so a changed data_offset loads shifted bytes without an error",
-    ),
-    "record relative_path": pytest.mark.xfail(
-        strict=True,
-        raises=AssertionError,
-        reason="reader bug: the manifest's relative_path is not checked against .metadata's "
-        "(reads follow .metadata), so a flip that names another existing data file passes "
-        "unnoticed (harmless: the bytes read are still verified)",
-    ),
-    "record kind": pytest.mark.xfail(
-        strict=True,
-        raises=AssertionError,
-        reason="format limitation: the manifest has no checksum of its own, so a field the "
-        "reader does not use (kind) changes undetected (harmless: the data still verifies)",
-    ),
-    "item key": pytest.mark.xfail(
-        strict=True,
-        raises=AssertionError,
-        reason="reader bug: an item missing from the manifest (its key damaged) is loaded "
-        "through the unverified stock path instead of being refused",
-    ),
-    "field name": pytest.mark.xfail(
-        strict=True,
-        raises=AssertionError,
-        reason="reader bug: a damaged field name raises a bare TypeError/KeyError from "
-        "decode_manifest (RecordInfo(**fields), body['items']) that does not name the manifest",
-    ),
-    "descriptive (torch, checksum, world_size)": pytest.mark.xfail(
-        strict=True,
-        raises=AssertionError,
-        reason="format limitation: the manifest has no checksum of its own, so the torch "
-        "version, checksum name and world_size change undetected (harmless: data verifies)",
-    ),
-}
+MANIFEST_CATEGORIES = (
+    "unparsable",
+    "format or version",
+    "record crc32c",
+    "record offset",
+    "record length",
+    "record data_length",
+    "record data_offset",
+    "record relative_path",
+    "record kind",
+    "item key",
+    "field name",
+    "descriptive (torch, checksum, world_size)",
+)
 
 
 @pytest.mark.parametrize(
     "category",
-    [pytest.param(c, marks=m or ()) for c, m in MANIFEST_CATEGORIES.items()],
+    MANIFEST_CATEGORIES,
 )
 def test_damaged_manifest_is_refused_with_a_clear_error(
     manifest_trials: dict[str, list], category: str
@@ -309,15 +265,12 @@ def test_damaged_manifest_is_refused_with_a_clear_error(
     assert bad == [], f"{len(bad)} of {len(trials)} not refused clearly, e.g. {bad[:3]}"
 
 
-def test_damaged_manifest_never_loads_wrong_values_except_through_data_offset(
-    manifest_trials: dict[str, list],
-) -> None:
-    """The safety property behind the table: whatever the reader misses, it must not load wrong
-    values. The one known way it does (a changed data_offset) is the xfail above."""
+def test_damaged_manifest_never_loads_wrong_values(manifest_trials: dict[str, list]) -> None:
+    """The safety property behind the table: no damaged manifest loads wrong values."""
     wrong = [
         (category, what)
         for category, trials in manifest_trials.items()
         for what, outcome, _ in trials
-        if outcome == "LOADED WRONG VALUES" and category != "record data_offset"
+        if outcome == "LOADED WRONG VALUES"
     ]
     assert wrong == []

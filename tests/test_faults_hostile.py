@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from crc32c import crc32c
 
 from dcp_datastates import DataStatesReader
 from dcp_datastates.errors import ChecksumMismatchError, UnsafeCheckpointError
-from dcp_datastates.format import MANIFEST_NAME, METADATA_NAME
+from dcp_datastates.format import MANIFEST_CRC_FIELD, MANIFEST_NAME, METADATA_NAME
 
 
 @pytest.fixture
@@ -30,10 +31,16 @@ def ckpt(tmp_path: Path, make_writer: Any) -> Path:
     return path
 
 
-def _edit_manifest(path: Path, field: str, value: Any) -> str:
+def _edit_manifest(path: Path, field: str, value: Any, key: str = "w@0,0") -> str:
+    """Change one record field (``value=None``: drop the item) and re-sign the manifest, as
+    someone crafting it would: its own checksum proves it undamaged, not trustworthy."""
     body = json.loads((path / MANIFEST_NAME).read_bytes())
-    key = "w@0,0"
-    body["items"][key][field] = value
+    body.pop(MANIFEST_CRC_FIELD)
+    if value is None:
+        del body["items"][key]
+    else:
+        body["items"][key][field] = value
+    body[MANIFEST_CRC_FIELD] = crc32c(json.dumps(body, indent=1, sort_keys=True).encode())
     (path / MANIFEST_NAME).write_text(json.dumps(body))
     return key
 
@@ -80,7 +87,42 @@ def test_a_record_with_a_negative_offset_is_refused(ckpt: Path, where: str) -> N
 
 def test_trusted_mode_is_the_only_way_past_the_checks(ckpt: Path) -> None:
     _edit_metadata(ckpt, relative_path="../outside.distcp")
+    _edit_manifest(ckpt, "relative_path", "../outside.distcp")  # consistent, as if crafted
     (ckpt.parent / "outside.distcp").write_bytes((ckpt / "__0_0.distcp").read_bytes())
     with pytest.raises(UnsafeCheckpointError):
         DataStatesReader(ckpt).read_metadata()
     DataStatesReader(ckpt, trusted=True).read_metadata()  # the caller vouched for it
+
+
+def _load_w(path: Path) -> BaseException:
+    target = {"w": torch.zeros(3, 4), "step": 0}
+    with pytest.raises(BaseException) as caught:  # DCP's CheckpointException is a BaseException
+        dcp.load(target, storage_reader=DataStatesReader(path), no_dist=True)
+    return caught.value
+
+
+@pytest.mark.parametrize("shift", [-64, -4, 4, 64])
+def test_a_resigned_manifest_moving_data_offset_does_not_load_shifted_bytes(
+    ckpt: Path, shift: int
+) -> None:
+    """The record checksum covers head + data + tail whatever the split; the data must start
+    right after the record's zip entry header, so a moved data_offset is refused."""
+    info = json.loads((ckpt / MANIFEST_NAME).read_bytes())["items"]["w@0,0"]
+    _edit_manifest(ckpt, "data_offset", info["data_offset"] + shift)
+    error = _load_w(ckpt)
+    assert "item 'w': its data does not start at data_offset" in str(error), error
+
+
+def test_a_resigned_manifest_that_drops_an_item_is_refused_not_read_unverified(
+    ckpt: Path,
+) -> None:
+    _edit_manifest(ckpt, "", None)
+    with pytest.raises(ChecksumMismatchError, match=r"no entry for item 'w@0,0'"):
+        DataStatesReader(ckpt).read_metadata()
+
+
+def test_a_resigned_manifest_giving_an_object_a_data_range_is_refused(ckpt: Path) -> None:
+    info = json.loads((ckpt / MANIFEST_NAME).read_bytes())["items"]["step"]
+    _edit_manifest(ckpt, "data_length", info["data_length"] - 1, key="step")
+    with pytest.raises(ChecksumMismatchError, match=r"object item 'step' has data_offset"):
+        DataStatesReader(ckpt).read_metadata()

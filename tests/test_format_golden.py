@@ -20,16 +20,25 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from crc32c import crc32c
 
 from dcp_datastates import DataStatesWriter
-from dcp_datastates.format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, METADATA_NAME
+from dcp_datastates.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_CRC_FIELD,
+    MANIFEST_NAME,
+    METADATA_NAME,
+    decode_manifest,
+)
 
 GOLDEN = Path(__file__).parent / "golden"
 DATA_FILE = "__0_0.distcp"
 #: The torch release whose ``torch.save`` framing the golden bytes were made with.
 GOLDEN_TORCH = "2.13."
-#: Manifest fields that legitimately differ between machines or torch builds.
-VOLATILE = ("torch",)
+#: Manifest fields that legitimately differ between machines or torch builds (the manifest's own
+#: checksum covers the torch version string).
+VOLATILE = ("torch", MANIFEST_CRC_FIELD)
 
 
 def golden_state() -> dict[str, Any]:
@@ -76,6 +85,14 @@ def test_the_manifest_describes_each_record(saved: Path) -> None:
     assert items["w@0,0"]["data_length"] == 6 * 4
     assert items["step"]["kind"] == "object"
     assert {item["relative_path"] for item in items.values()} == {DATA_FILE}
+
+
+def test_the_manifest_carries_its_own_checksum(saved: Path) -> None:
+    blob = (saved / MANIFEST_NAME).read_bytes()
+    body = json.loads(blob)
+    crc = body.pop(MANIFEST_CRC_FIELD)
+    assert crc == crc32c(json.dumps(body, indent=1, sort_keys=True).encode())
+    assert decode_manifest(blob)  # and the reader accepts it
 
 
 def test_a_tensor_record_holds_the_raw_little_endian_values(saved: Path) -> None:

@@ -254,3 +254,20 @@ def test_a_tensor_record_whose_pickle_runs_code_is_refused_in_safe_mode(tmp_path
     assert error is not None, repr(caught.value)
     assert "evil.distcp: item 't'" in str(error) and "weights_only" in str(error)
     assert not marker.exists()
+
+
+def test_verify_false_reads_past_a_damaged_manifest_and_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dcp_datastates.format import MANIFEST_NAME
+
+    state = mixed_state()
+    save(state, tmp_path, "datastates")
+    (tmp_path / MANIFEST_NAME).write_bytes(b"{not json")
+    with pytest.raises(ChecksumMismatchError, match=r"\.datastates\.json is damaged"):
+        DataStatesReader(tmp_path).read_metadata()
+    target = blank_like(state)
+    with caplog.at_level(logging.WARNING, logger="dcp_datastates.reader"):
+        read(tmp_path, target, FetchOptions(verify=False), verify=False)
+    assert_same_state(state, target)
+    assert any("reading without the manifest" in r.getMessage() for r in caplog.records)
