@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from crc32c import crc32c
 from torch.distributed.checkpoint.planner import WriteItem
@@ -95,9 +95,13 @@ def flush(
     prefix: str,
     workers: int,
     sync: bool,
-    executor: ThreadPoolExecutor,
 ) -> Future[list[WriteResult]]:
-    """Start writing ``items``; the future holds their results, or the first error (once)."""
+    """Start writing ``items``; the future holds their results, or the first error (once).
+
+    Each file gets a thread of its own, started here. A shared, bounded pool would let saves that
+    overlap deadlock: later saves could hold every thread waiting for pieces that the pool admits
+    only after an earlier save's pieces, which only that save's (queued) flush would release.
+    """
     wanted = {item.index for item in items}
     for key, slices in session.slices.items():
         if key not in wanted:  # another rank writes this replicated item
@@ -134,7 +138,9 @@ def flush(
                     result.set_result(collected)
 
     for n, group in enumerate(groups):
-        executor.submit(one_file, n, group)
+        threading.Thread(
+            target=one_file, args=(n, group), name=f"datastates-flush-{prefix}{n}"
+        ).start()
     return result
 
 

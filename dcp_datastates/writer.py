@@ -29,6 +29,7 @@ snapshots queue for the pool in order, their flushes run on their own DCP thread
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import functools
@@ -38,7 +39,7 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -125,13 +126,15 @@ class _Runtime:
         self.scheduler = SnapshotScheduler(
             self.pool, copy_workers=options.copy_workers, on_stall=on_stall
         )
-        self.flushers = ThreadPoolExecutor(
-            options.flush_workers * 2, thread_name_prefix="datastates-flush"
-        )
+        self.flushes: set[Future[Any]] = set()  # running flushes, which close() waits for
+
+    def track(self, flush: Future[Any]) -> None:
+        self.flushes.add(flush)
+        flush.add_done_callback(self.flushes.discard)
 
     def close(self) -> None:
+        concurrent.futures.wait(list(self.flushes))
         self.scheduler.close()
-        self.flushers.shutdown(wait=True)
         self.pool.close()
 
 
@@ -380,8 +383,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             prefix=plan.storage_data,
             workers=self.options.flush_workers,
             sync=self.options.sync_files,
-            executor=self._runtime.flushers,
         )
+        self._runtime.track(result)
         result.add_done_callback(lambda f: self._flushed(save, f))
         return _to_torch_future(result)
 

@@ -9,14 +9,16 @@ checkpoint holds exactly the state of its own step, and the pool accounting retu
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from _faults_util import BOUNDED_S, MiB
 from conftest import READERS, assert_same_state, load_like, pool_drains
 
-from dcp_datastates import async_save
+from dcp_datastates import DataStatesWriter, async_save
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,3 +66,44 @@ def test_saves_started_while_earlier_ones_flush_all_commit_their_own_state(
         _set_step(expected, step)
         for reader in READERS:
             assert_same_state(expected, load_like(tmp_path / f"c{step}", expected, reader))
+
+
+def test_an_earlier_save_flushing_after_two_later_ones_is_not_starved(tmp_path: Path) -> None:
+    """Three overlapping saves through a pool smaller than one state, the later two reaching
+    ``write_data`` first. The first save's pieces hold the pool, so the later saves' flushes wait
+    for pieces only the first save's flush can free: with flush threads shared from a bounded
+    pool (as once), the later flushes held every thread and this deadlocked."""
+    later_flushing = threading.Event()
+    lock = threading.Lock()
+    entered: list[str] = []
+
+    class FirstFlushesLast(DataStatesWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            name = Path(self._save().storage.root).name
+            if name == "ckpt_0":
+                assert later_flushing.wait(BOUNDED_S), "the later saves never reached write_data"
+            result = super().write_data(plan, planner)
+            if name != "ckpt_0":
+                with lock:
+                    entered.append(name)
+                    if len(entered) == 2:
+                        later_flushing.set()
+            return result
+
+    writer = FirstFlushesLast(tmp_path / "unused", host_pool_bytes=2 * MiB, flush_workers=2)
+    try:
+        states, uploads = [], []
+        for step in range(3):
+            state = _state()
+            _set_step(state, step)
+            states.append(state)
+            path = tmp_path / f"ckpt_{step}"
+            response = async_save(state, writer, checkpoint_id=str(path), no_dist=True)
+            uploads.append(response.upload_completion)
+        for upload in uploads:
+            upload.result(timeout=BOUNDED_S)
+        assert pool_drains(writer)
+    finally:
+        writer.close()
+    for step, state in enumerate(states):
+        assert_same_state(state, load_like(tmp_path / f"ckpt_{step}", state, "datastates"))
