@@ -50,17 +50,32 @@ def provider_from_any_planner(item: WriteItem, planner: SavePlanner) -> StatePro
 
 
 def check_state_dict(state_dict: Any, prefix: str = "") -> None:
-    """Reject what DCP would fail on later, deep in a background thread."""
+    """Reject what DCP would fail on (or load back wrongly) later, deep in a background thread.
+
+    Keys are strings, or ints as in ``optimizer.state_dict()["state"]``: DCP names an item by
+    ``str(key)`` along its path and loads both back as themselves. Other key types (``None``,
+    floats, tuples, ...) do not reliably come back as themselves, and two keys with the same
+    ``str`` would name one item.
+    """
     if not isinstance(state_dict, Mapping):
         raise InvalidStateDictError(f"state dict must be a dict, got {type(state_dict).__name__}")
     if not prefix and not state_dict:
         raise InvalidStateDictError("state dict is empty: there is nothing to checkpoint")
+    where = prefix or "<root>"
+    names: dict[str, Any] = {}
     for key, value in state_dict.items():
-        if not isinstance(key, str):
+        if isinstance(key, bool) or not isinstance(key, (str, int)):
             raise InvalidStateDictError(
-                f"state dict key {key!r} under {prefix or '<root>'!r} is a "
-                f"{type(key).__name__}; DCP needs string keys (convert it with str())"
+                f"state dict key {key!r} under {where!r} is a {type(key).__name__}; DCP keys "
+                "must be strings (or ints, as in optimizer.state_dict()); convert it with str()"
             )
+        name = str(key)
+        if name in names:
+            raise InvalidStateDictError(
+                f"state dict keys {names[name]!r} and {key!r} under {where!r} both name the "
+                f"item {prefix}{name}; rename one of them"
+            )
+        names[name] = key
         if isinstance(value, Mapping):
             check_state_dict(value, f"{prefix}{key}.")
 

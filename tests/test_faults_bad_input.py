@@ -39,11 +39,18 @@ def _cases() -> dict[str, tuple[dict[str, Any], type[BaseException], str]]:
             InvalidStateDictError,
             "ScaledTensor",
         ),
-        "non-string key": ({"w": good, 3: good}, InvalidStateDictError, "key 3"),
+        # Int keys are fine (optimizer.state_dict() has them, DCP loads them back); a float
+        # or None key is not: DCP names it by str() and does not load it back as itself.
+        "non-string key": ({"w": good, 3.5: good}, InvalidStateDictError, "key 3.5"),
         "nested non-string key": (
-            {"model": {"w": good, 0: {"exp_avg": good}}},
+            {"model": {"w": good, None: {"exp_avg": good}}},
             InvalidStateDictError,
-            "key 0 under 'model.'",
+            "key None under 'model.'",
+        ),
+        "keys naming one item": (
+            {"model": {1: good, "1": good}},
+            InvalidStateDictError,
+            "keys 1 and '1' under 'model.' both name the item model.1",
         ),
         "empty state dict": ({}, InvalidStateDictError, "empty"),
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import json
@@ -285,7 +286,7 @@ def test_a_registered_raw_provider_saves_a_custom_type_as_a_tensor_record(
 
 BAD_STATES = {
     "empty": {},
-    "non-string key": {"model": {1: torch.ones(2)}},
+    "non-string key": {"model": {None: torch.ones(2)}},
     "unpicklable object": {"w": torch.ones(2), "lock": threading.Lock()},
 }
 
@@ -305,13 +306,34 @@ def test_a_bad_state_dict_is_refused_at_the_call_site(
             async_save(BAD_STATES[bad], writer, no_dist=True)
 
     if bad == "non-string key":
-        assert "1" in str(raised.value) and "model" in str(raised.value)
+        assert "None" in str(raised.value) and "model" in str(raised.value)
     if bad == "unpicklable object":
         assert "'lock'" in str(raised.value)
     assert not (tmp_path / "ckpt").exists()
     # The refusal left the writer usable.
     save({"ok": torch.ones(1)}, writer, tmp_path / "after", api="dcp.save")
     assert (tmp_path / "after" / ".metadata").exists()
+
+
+@pytest.mark.parametrize("api", SAVE_APIS)
+def test_an_optimizer_state_dict_with_int_keys_saves_and_loads(
+    tmp_path: Path, make_writer, api: str
+) -> None:
+    """An unmodified loop saves ``optimizer.state_dict()`` as is: its ``state`` is keyed by
+    parameter index (ints), which stock DCP accepts and loads back as ints."""
+    model = torch.nn.Linear(4, 3)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    state = {"model": model.state_dict(), "optim": optim.state_dict()}
+    assert set(state["optim"]["state"]) == {0, 1}
+    save(state, make_writer(tmp_path / "ckpt"), tmp_path / "ckpt", api)
+    for reader in READERS:
+        target = {"model": model.state_dict(), "optim": copy.deepcopy(optim.state_dict())}
+        for moments in target["optim"]["state"].values():
+            for value in moments.values():
+                value.zero_()
+        assert_same_state(state, load(tmp_path / "ckpt", target, reader), reader)
 
 
 @pytest.mark.parametrize("api", SAVE_APIS)
