@@ -1,0 +1,258 @@
+"""Benchmarks against stock DCP in one run: JSON lines, a summary of ratios, a timeline picture.
+
+    python scripts/bench.py all                   # every scenario, default sizes (<= 10 minutes)
+    python scripts/bench.py all --quick           # tiny sizes, seconds: checks the suite works
+    python scripts/bench.py save --gb 1 --tensors 500 --rounds 3
+    python scripts/bench.py limits load --dir /mnt/nvme/bench
+
+Scenarios: limits (disk, memory), save, load, train (with the timeline PNG), scaling, ranks
+(two gloo ranks). Every measurement is printed as one JSON line on stdout (and appended to
+OUT/results.jsonl); the summary tables, with ratios against the stock baselines and the targets
+met or missed, come last (and go to OUT/summary.md). Progress goes to stderr.
+See docs/benchmarks.md for what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_lib import limits, load, ranks, report, save, scaling, systems, timeline, train
+from bench_lib.common import GB, Recorder, log
+
+SCENARIOS = ["limits", "save", "load", "train", "scaling", "ranks"]
+
+#: Defaults of the full run and of --quick; an option given on the command line wins over both.
+FULL: dict[str, Any] = {
+    "gb": 3.0,
+    "tensors": 120,
+    "limit_gb": 1.0,
+    "load_gb": 2.0,
+    "writers": 4,
+    "saves": 2,
+    "limits_rounds": 2,
+    "rounds": 2,
+    "isolate": True,
+    "drop_caches": "yes",
+    "train_width": 512,
+    "train_layers": 6,
+    "train_vocab": 8192,
+    "train_seq": 32,
+    "train_steps": 12,
+    "train_every": 4,
+    "train_rounds": 4,
+    "scale_sizes": "0.5,1,2,4",
+    "scale_counts": "100,1000,5000,20000",
+    "scale_count_gb": 0.1,
+    "ranks_gb": 1.0,
+}
+QUICK: dict[str, Any] = {
+    **FULL,
+    "gb": 0.02,
+    "tensors": 30,
+    "limit_gb": 0.02,
+    "load_gb": 0.02,
+    "limits_rounds": 1,
+    "rounds": 1,
+    "isolate": False,
+    "drop_caches": "no",
+    "train_width": 64,
+    "train_layers": 1,
+    "train_vocab": 256,
+    "train_seq": 8,
+    "train_steps": 5,
+    "train_every": 2,
+    "train_rounds": 1,
+    "scale_sizes": "0.004,0.008",
+    "scale_counts": "10,100",
+    "scale_count_gb": 0.004,
+    "ranks_gb": 0.01,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "scenarios",
+        nargs="+",
+        choices=[*SCENARIOS, "all"],
+        metavar="SCENARIO",
+        help=f"one or more of: {', '.join(SCENARIOS)}, all",
+    )
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one round: runs in seconds")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("/tmp/dcp_datastates_bench"),
+        help="scratch directory on the disk under test (removed afterwards)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench_out"),
+        help="results.jsonl, summary.md and timeline.png go here",
+    )
+    p.add_argument("--png", type=Path, help="timeline picture path (default OUT/timeline.png)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    g = p.add_argument_group("sizes and repeats (defaults: see FULL / QUICK in this file)")
+    g.add_argument("--gb", type=float, help="state size of the save scenario, GB")
+    g.add_argument("--tensors", type=int, help="tensors in the save/load state")
+    g.add_argument("--rounds", type=int, help="rounds of save, load and ranks")
+    g.add_argument("--limits-rounds", type=int)
+    g.add_argument("--train-rounds", type=int)
+    g.add_argument("--limit-gb", type=float, help="bytes per limits measurement, GB")
+    g.add_argument("--load-gb", type=float, help="state size of the load scenario, GB")
+    g.add_argument("--writers", type=int, help="parallel writers of the write+fsync limit")
+    g.add_argument("--saves", type=int, help="saves per save-worker process (the last reported)")
+    g.add_argument(
+        "--systems", help=f"save systems, comma-separated: {','.join(systems.SAVE_SYSTEMS)}"
+    )
+    g.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        help="one process per save system and round (default; --quick: one per round)",
+    )
+    g.add_argument(
+        "--drop-caches",
+        choices=["yes", "no"],
+        help="drop the page cache before cold reads (needs root)",
+    )
+    for name in ("width", "layers", "vocab", "seq", "steps", "every"):
+        g.add_argument(f"--train-{name}", type=int)
+    g.add_argument("--scale-sizes", help="GB, comma-separated")
+    g.add_argument("--scale-counts", help="tensor counts, comma-separated")
+    g.add_argument("--scale-count-gb", type=float, help="state size of the tensor-count sweep")
+    g.add_argument("--ranks-gb", type=float, help="state size of the two-rank save, both ranks")
+    return p
+
+
+def _resolve(args: argparse.Namespace) -> argparse.Namespace:
+    defaults = QUICK if args.quick else FULL
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.systems = args.systems.split(",") if args.systems else list(systems.SAVE_SYSTEMS)
+    for key in args.systems:
+        if key not in systems.SAVE_SYSTEMS:
+            raise SystemExit(
+                f"unknown save system {key!r}; known: {', '.join(systems.SAVE_SYSTEMS)}"
+            )
+    return args
+
+
+def _run(args: argparse.Namespace) -> int:
+    args = _resolve(args)
+    wanted = SCENARIOS if "all" in args.scenarios else [s for s in SCENARIOS if s in args.scenarios]
+    args.dir.mkdir(parents=True, exist_ok=True)
+    rec = Recorder(args.out / "results.jsonl", quick=args.quick, target_dir=args.dir)
+    cold = args.drop_caches == "yes"
+    elapsed: dict[str, float] = {}
+    runs: dict[str, train.Run] = {}
+    started = time.monotonic()
+    try:
+        for scenario in wanted:
+            t0 = time.monotonic()
+            if scenario == "limits":
+                limits.run(
+                    rec,
+                    workdir=args.dir,
+                    nbytes=int(args.limit_gb * GB),
+                    writers=args.writers,
+                    rounds=args.limits_rounds,
+                    cold=cold,
+                )
+            elif scenario == "save":
+                save.run(
+                    rec,
+                    workdir=args.dir,
+                    nbytes=int(args.gb * GB),
+                    tensors=args.tensors,
+                    rounds=args.rounds,
+                    saves=args.saves,
+                    writers=args.writers,
+                    isolate=args.isolate,
+                    keys=args.systems,
+                )
+            elif scenario == "load":
+                load.run(
+                    rec,
+                    workdir=args.dir,
+                    nbytes=int(args.load_gb * GB),
+                    tensors=args.tensors,
+                    rounds=args.rounds,
+                    cold=cold,
+                )
+            elif scenario == "train":
+                cfg = train.TrainConfig(
+                    width=args.train_width,
+                    layers=args.train_layers,
+                    vocab=args.train_vocab,
+                    seq=args.train_seq,
+                    steps=args.train_steps,
+                    every=args.train_every,
+                )
+                runs = train.run(rec, workdir=args.dir, cfg=cfg, rounds=args.train_rounds)
+            elif scenario == "scaling":
+                scaling.run(
+                    rec,
+                    workdir=args.dir,
+                    sizes=[float(x) * GB for x in args.scale_sizes.split(",")],
+                    size_tensors=args.tensors,
+                    counts=[int(x) for x in args.scale_counts.split(",")],
+                    count_bytes=args.scale_count_gb * GB,
+                )
+            elif scenario == "ranks":
+                ranks.run(
+                    rec,
+                    workdir=args.dir,
+                    nbytes=int(args.ranks_gb * GB),
+                    tensors=args.tensors,
+                    rounds=args.rounds,
+                    timeout=120 if args.quick else 600,
+                )
+            elapsed[scenario] = time.monotonic() - t0
+            log(f"{scenario}: {elapsed[scenario]:.1f} s")
+    finally:
+        if not args.keep:
+            for sub in SCENARIOS:
+                shutil.rmtree(args.dir / sub, ignore_errors=True)
+    if runs:
+        png = timeline.plot(runs, args.png or args.out / "timeline.png")
+        rec.note(f"timeline picture: {png}")
+    text = report.summary(rec)
+    text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
+    text += f"; total {time.monotonic() - started:.0f} s.\n"
+    (args.out / "summary.md").write_text(text)
+    print("\n" + text, flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "_save-worker":  # internal: one process of the save scenario
+        p = argparse.ArgumentParser(prog="bench.py _save-worker")
+        p.add_argument("--systems", required=True)
+        p.add_argument("--bytes", type=int, required=True)
+        p.add_argument("--tensors", type=int, required=True)
+        p.add_argument("--saves", type=int, required=True)
+        p.add_argument("--dir", type=Path, required=True)
+        a = p.parse_args(argv[1:])
+        save.worker(a.systems.split(","), a.bytes, a.tensors, a.saves, a.dir)
+        return 0
+    if argv and argv[0] == "_rank-worker":  # internal: one rank of the ranks scenario
+        rank, world, port, workdir, args = argv[1:6]
+        ranks.worker(int(rank), int(world), int(port), Path(workdir), json.loads(args))
+        return 1  # not reached: the worker leaves through os._exit
+    return _run(_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,186 @@
+"""What the machine allows: write+fsync, cold and warm sequential read, memcpy, pinned D2H.
+
+The measured systems cannot beat these, so the targets compare against them; they are measured
+in the same run because this disk's speed swings several-fold from one run to the next.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from .common import GB, Recorder, alternate, fresh_dir, go_cold, log, now
+
+BLOCK = 8 << 20  # bytes per write() / readinto()
+
+
+def _payload() -> memoryview:
+    # Random bytes: a compressing or deduplicating file system must not get an easy ride.
+    return memoryview(os.urandom(BLOCK))
+
+
+def write_fsync(directory: Path, total_bytes: int, writers: int) -> float:
+    """Seconds for ``writers`` threads to each write and fsync their share into its own file."""
+    data = _payload()
+    share = max(BLOCK, total_bytes // writers // BLOCK * BLOCK)
+    barrier = threading.Barrier(writers + 1)
+
+    def one(i: int) -> None:
+        fd = os.open(directory / f"limit_{i}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            barrier.wait()
+            left = share
+            while left > 0:
+                left -= os.write(fd, data[: min(BLOCK, left)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(writers) as pool:
+        futures = [pool.submit(one, i) for i in range(writers)]
+        barrier.wait()
+        t0 = now()
+        for f in futures:
+            f.result()
+        seconds = now() - t0
+    for i in range(writers):
+        (directory / f"limit_{i}.bin").unlink()
+    return seconds
+
+
+def read_files(paths: Sequence[Path], *, parallel: bool) -> float:
+    """Seconds to read ``paths`` front to back with large reads into reused buffers (one thread
+    per file when ``parallel``, else one file after another)."""
+
+    def one(path: Path, buf: bytearray) -> None:
+        view = memoryview(buf)
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(view):
+                pass
+
+    t0 = now()
+    if parallel and len(paths) > 1:
+        with ThreadPoolExecutor(len(paths)) as pool:
+            list(pool.map(lambda p: one(p, bytearray(BLOCK)), paths))
+    else:
+        buf = bytearray(BLOCK)
+        for p in paths:
+            one(p, buf)
+    return now() - t0
+
+
+def read_streams(paths: Sequence[Path], streams: int) -> float:
+    """Seconds for ``streams`` threads to read the concatenation of ``paths``, each its own
+    contiguous share, with large reads into a reused buffer: what several readers can get."""
+    sizes = [(p, p.stat().st_size) for p in paths]
+    share = max(1, -(-sum(size for _, size in sizes) // streams))
+    pieces: list[list[tuple[Path, int, int]]] = [[] for _ in range(streams)]
+    pos = 0
+    for path, size in sizes:
+        offset = 0
+        while offset < size:
+            k = min(pos // share, streams - 1)
+            take = min(size - offset, (k + 1) * share - pos)
+            pieces[k].append((path, offset, take))
+            offset, pos = offset + take, pos + take
+
+    def one(mine: list[tuple[Path, int, int]]) -> None:
+        view = memoryview(bytearray(BLOCK))
+        for path, offset, length in mine:
+            with open(path, "rb", buffering=0) as f:
+                f.seek(offset)
+                while length > 0 and (n := f.readinto(view[: min(BLOCK, length)])):
+                    length -= n
+
+    t0 = now()
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(one, pieces))
+    return now() - t0
+
+
+def memcpy(nbytes: int, repeat: int = 3) -> float:
+    """Best seconds of ``repeat`` host-to-host copies of ``nbytes`` (after one warm-up copy)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = now()
+        dst.copy_(src)
+        best = min(best, now() - t0)
+    return best
+
+
+def pinned_d2h(nbytes: int, repeat: int = 3) -> float | None:
+    """Best seconds of a device-to-pinned-host copy of ``nbytes``; None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = now()
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, now() - t0)
+    return best
+
+
+def write_limit_name(writers: int) -> str:
+    return f"write+fsync x{writers}"
+
+
+def run(
+    rec: Recorder, *, workdir: Path, nbytes: int, writers: int, rounds: int, cold: bool
+) -> None:
+    """Alternate one and ``writers`` parallel writers, cold and warm reads, memcpy; repeat."""
+    workdir = fresh_dir(workdir / "limits")
+    gb = nbytes / GB
+    read_file = workdir / "read.bin"
+    log(f"limits: {gb:.2f} GB per measurement, {rounds} rounds")
+    for r in range(rounds):
+        for n in alternate([1, writers], r):
+            rec.emit(
+                "limits",
+                write_limit_name(n),
+                {"seconds": (s := write_fsync(workdir, nbytes, n)), "gb_per_s": gb / s},
+                bytes=nbytes,
+                writers=n,
+                round=r,
+            )
+        fd = os.open(read_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        data = _payload()
+        for _ in range(max(1, nbytes // BLOCK)):
+            os.write(fd, data)
+        os.fsync(fd)
+        os.close(fd)
+        size = read_file.stat().st_size
+        dropped = go_cold(rec, cold)
+        s = read_files([read_file], parallel=False)
+        rec.emit(
+            "limits",
+            "read cold" if dropped else "read cold (cache not dropped)",
+            {"seconds": s, "gb_per_s": size / GB / s},
+            bytes=size,
+            cache_dropped=dropped,
+            round=r,
+        )
+        s = read_files([read_file], parallel=False)
+        rec.emit(
+            "limits", "read warm", {"seconds": s, "gb_per_s": size / GB / s}, bytes=size, round=r
+        )
+        s = memcpy(nbytes)
+        rec.emit("limits", "memcpy", {"seconds": s, "gb_per_s": gb / s}, bytes=nbytes, round=r)
+        s = pinned_d2h(nbytes)
+        if s is not None:
+            rec.emit(
+                "limits", "pinned d2h", {"seconds": s, "gb_per_s": gb / s}, bytes=nbytes, round=r
+            )
+    read_file.unlink()

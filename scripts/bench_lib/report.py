@@ -1,0 +1,381 @@
+"""Summary tables (Markdown), ratios against the stock baselines, and the targets: met or missed.
+
+Every figure is the median over rounds with its range in brackets; ratios are ratios of medians.
+Targets are reported, never asserted: where one is missed, the table says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import load, train
+from .common import GB, Recorder, Spread
+from .limits import write_limit_name
+from .systems import SAVE_SYSTEMS
+
+STOCK_ASYNC = SAVE_SYSTEMS["stock-async"]
+STOCK_STAGER = SAVE_SYSTEMS["stock-stager"]
+STOCK_SYNC = SAVE_SYSTEMS["stock-sync-t1"]
+OURS_FULL = SAVE_SYSTEMS["ours-async-1"]
+OURS_QUARTER = SAVE_SYSTEMS["ours-async-4"]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _ratio(a: Spread | None, b: Spread | None, digits: int = 3) -> str:
+    if a is None or b is None or b.median == 0:
+        return "-"
+    return f"{a.median / b.median:.{digits}f}x"
+
+
+class _Figures:
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+
+    def spread(self, scenario: str, system: str, figure: str, **match: object) -> Spread | None:
+        rows = self.rec.select(scenario, system=system, **match)
+        return Spread.of(r["figures"][figure] for r in rows if figure in r["figures"])
+
+    def field(self, scenario: str, system: str, key: str, sub: str) -> Spread | None:
+        rows = self.rec.select(scenario, system=system)
+        return Spread.of(r[key][sub] for r in rows if r.get(key))
+
+    def top(self, scenario: str, system: str, key: str) -> Spread | None:
+        return Spread.of(r[key] for r in self.rec.select(scenario, system=system) if key in r)
+
+    def systems(self, scenario: str) -> list[str]:
+        """Systems of ``scenario``: raw limits first, then in the order of ``SAVE_SYSTEMS``."""
+        seen = list(dict.fromkeys(r["system"] for r in self.rec.select(scenario)))
+        order = {name: i for i, name in enumerate(SAVE_SYSTEMS.values())}
+        return sorted(seen, key=lambda n: (not n.startswith("raw"), order.get(n, -1)))
+
+
+def _fmt(s: Spread | None, digits: int = 3) -> str:
+    return "-" if s is None else s.fmt(digits)
+
+
+def _gb(s: Spread | None) -> str:
+    return "-" if s is None else Spread(s.median / GB, s.low / GB, s.high / GB, s.n).fmt(2)
+
+
+def limits_table(f: _Figures) -> str | None:
+    names = f.systems("limits")
+    if not names:
+        return None
+    rows = [[n, _fmt(f.spread("limits", n, "gb_per_s"), 2)] for n in names]
+    return "### Limits (GB/s)\n\n" + _table(["measurement", "GB/s"], rows)
+
+
+def save_table(f: _Figures) -> str | None:
+    names = f.systems("save")
+    if not names:
+        return None
+    first = f.rec.select("save", system=names[-1])[0]
+    base_blocked = f.spread("save", STOCK_ASYNC, "blocked_s")
+    base_safe = f.spread("save", STOCK_STAGER, "safe_s")
+    base_durable = f.spread("save", STOCK_SYNC, "durable_s")
+    rows = []
+    for n in names:
+        b, s, d = (f.spread("save", n, k) for k in ("blocked_s", "safe_s", "durable_s"))
+        rows.append(
+            [
+                n,
+                _fmt(b, 4),
+                _fmt(s),
+                _fmt(d),
+                _fmt(f.spread("save", n, "durable_gb_per_s"), 2),
+                _gb(f.field("save", n, "memory", "peak_extra_bytes")),
+                _gb(f.field("save", n, "memory", "held_bytes")),
+                _ratio(b, base_blocked, 4),
+                _ratio(s, base_safe),
+                _ratio(d, base_durable),
+            ]
+        )
+    header = ["system", "blocked s", "safe s", "durable s", "durable GB/s", "peak extra GB"]
+    header += ["held GB", "blocked / stock async", "safe / DefaultStager", "durable / dcp.save t1"]
+    title = (
+        f"### Save ({first['bytes'] / GB:.2f} GB, {first.get('tensors', '-')} tensors; "
+        "steady state: the second save of a process for systems that keep state between saves)"
+    )
+    return title + "\n\n" + _table(header, rows)
+
+
+def load_table(f: _Figures) -> str | None:
+    recs = f.rec.select("load")
+    if not recs:
+        return None
+    rows = []
+    keys = dict.fromkeys((r["checkpoint"], r["cache"]) for r in recs)
+    for ckpt, cache in keys:
+        raw = _best_raw(f, "seconds", checkpoint=ckpt, cache=cache)
+        stock = f.spread("load", load.STOCK, "seconds", checkpoint=ckpt, cache=cache)
+        for reader in (*load.RAWS, load.STOCK, load.OURS):
+            s = f.spread("load", reader, "seconds", checkpoint=ckpt, cache=cache)
+            rows.append(
+                [
+                    f"written by {ckpt}",
+                    cache,
+                    reader,
+                    _fmt(s),
+                    _fmt(f.spread("load", reader, "gb_per_s", checkpoint=ckpt, cache=cache), 2),
+                    "-" if reader in load.RAWS else _pct(raw, s),
+                    "-" if reader in load.RAWS else _ratio(stock, s, 2),
+                ]
+            )
+    header = ["checkpoint", "cache", "reader", "seconds", "GB/s", "% of best raw", "speed / stock"]
+    return "### Load\n\n" + _table(header, rows)
+
+
+def _best_raw(f: _Figures, figure: str, **match: object) -> Spread | None:
+    """The faster of the raw reads (by median) of one checkpoint and cache state."""
+    raws = [f.spread("load", name, figure, **match) for name in load.RAWS]
+    raws = [r for r in raws if r is not None]
+    if not raws:
+        return None
+    pick = min if figure == "seconds" else max
+    return pick(raws, key=lambda r: r.median)
+
+
+def _pct(raw: Spread | None, s: Spread | None) -> str:
+    return "-" if raw is None or s is None else f"{100 * raw.median / s.median:.0f}%"
+
+
+def _overheads(f: _Figures, system: str) -> Spread | None:
+    base = {r["round"]: r["figures"]["total_s"] for r in f.rec.select("train", system=train.NONE)}
+    return Spread.of(
+        r["figures"]["total_s"] - base[r["round"]]
+        for r in f.rec.select("train", system=system)
+        if r["round"] in base
+    )
+
+
+def train_table(f: _Figures) -> str | None:
+    names = f.systems("train")
+    if not names:
+        return None
+    cfg = f.rec.select("train")[0]
+    stock = _overheads(f, train.STOCK_ASYNC)
+    rows = []
+    for n in [s for s in train.SYSTEMS if s in names]:
+        over = _overheads(f, n) if n != train.NONE else None
+        rows.append(
+            [
+                n,
+                _fmt(f.spread("train", n, "total_s")),
+                _fmt(over),
+                _ratio(over, stock, 2) if n != train.NONE else "-",
+                _fmt(f.spread("train", n, "step_median_s")),
+                _fmt(f.top("train", n, "blocked_s")),
+                _fmt(f.top("train", n, "drain_s")),
+            ]
+        )
+    title = (
+        f"### Training loop ({cfg['steps']} steps, a checkpoint every {cfg['every']}, "
+        f"{cfg['bytes'] / GB:.2f} GB state)"
+    )
+    header = ["system", "total s", "overhead s", "overhead / stock async", "step median s"]
+    header += ["blocked s", "drain s"]
+    return title + "\n\n" + _table(header, rows)
+
+
+def scaling_table(f: _Figures) -> str | None:
+    recs = f.rec.select("scaling")
+    if not recs:
+        return None
+    names = list(dict.fromkeys(r["system"] for r in recs))
+    points = list(dict.fromkeys((r["axis"], r["bytes"], r["tensors"]) for r in recs))
+    rows = []
+    for axis, nbytes, tensors in points:
+        row = [axis, f"{nbytes / GB:.2f}", str(tensors)]
+        for n in names:
+            hit = [
+                r
+                for r in recs
+                if r["system"] == n and (r["bytes"], r["tensors"]) == (nbytes, tensors)
+            ]
+            fig = hit[0]["figures"] if hit else {}
+            row.append(f"{fig.get('blocked_s', 0):.3f} / {fig.get('durable_s', 0):.2f}")
+        rows.append(row)
+    header = ["axis", "GB", "tensors"] + [f"{n}: blocked / durable s" for n in names]
+    title = "### Scaling (one round; our writer's second save)"
+    return title + "\n\n" + _table(header, rows)
+
+
+def ranks_table(f: _Figures) -> str | None:
+    names = f.systems("ranks")
+    if not names:
+        return None
+    first = f.rec.select("ranks")[0]
+    base_b = f.spread("ranks", STOCK_ASYNC, "blocked_s")
+    base_d = f.spread("ranks", STOCK_ASYNC, "durable_s")
+    rows = []
+    for n in names:
+        b, s, d = (f.spread("ranks", n, k) for k in ("blocked_s", "safe_s", "durable_s"))
+        rows.append(
+            [
+                n,
+                _fmt(b, 4),
+                _fmt(s),
+                _fmt(d),
+                _fmt(f.spread("ranks", n, "durable_gb_per_s"), 2),
+                _ratio(b, base_b, 4),
+                _ratio(d, base_d, 2),
+            ]
+        )
+    title = f"### Two ranks (gloo; {first['bytes'] / GB:.2f} GB in all; slowest rank)"
+    header = ["system", "blocked s", "safe s", "durable s", "GB/s", "blocked / stock async"]
+    header += ["durable / stock async"]
+    return title + "\n\n" + _table(header, rows)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    threshold: str
+    measure: Callable[[_Figures], tuple[float | None, str]]  # value, or None with a reason
+    ok: Callable[[float], bool]
+
+
+def _ratio_value(
+    a: Spread | None, b: Spread | None, why: str, unit: str = "s"
+) -> tuple[float | None, str]:
+    """``a / b`` of the medians, with the two medians as the detail (or why it cannot be had)."""
+    if a is None or b is None:
+        return None, why
+    detail = f"{a.fmt(3)} / {b.fmt(3)} {unit}"
+    if b.median <= 0:
+        return None, f"baseline within noise: {detail}"
+    return a.median / b.median, detail
+
+
+def _durable_vs_limit(f: _Figures) -> tuple[float | None, str]:
+    ours = f.spread("save", OURS_FULL, "durable_gb_per_s")
+    limit = next(
+        (
+            f.spread("save", n, "durable_gb_per_s")
+            for n in f.systems("save")
+            if n.startswith("raw write+fsync")
+        ),
+        None,
+    )
+    if limit is None:
+        names = [
+            n
+            for n in f.systems("limits")
+            if n.startswith("write+fsync") and n != write_limit_name(1)
+        ]
+        limit = f.spread("limits", names[0], "gb_per_s") if names else None
+    return _ratio_value(ours, limit, "needs save (and a write limit)", "GB/s")
+
+
+def _cold_load(f: _Figures) -> tuple[float | None, str]:
+    raw = _best_raw(f, "gb_per_s", checkpoint="ours", cache="cold")
+    ours = f.spread("load", load.OURS, "gb_per_s", checkpoint="ours", cache="cold")
+    if raw is None and f.rec.select("load"):
+        return None, "page cache not dropped"
+    return _ratio_value(ours, raw, "needs load", "GB/s")
+
+
+TARGETS = [
+    Target(
+        "blocked: ours async / stock async_save default",
+        "<= 0.01",
+        lambda f: _ratio_value(
+            f.spread("save", OURS_FULL, "blocked_s"),
+            f.spread("save", STOCK_ASYNC, "blocked_s"),
+            "needs save",
+        ),
+        lambda v: v <= 0.01,
+    ),
+    Target(
+        "safe to mutate: ours async / stock DefaultStager staging",
+        "<= 0.5",
+        lambda f: _ratio_value(
+            f.spread("save", OURS_FULL, "safe_s"),
+            f.spread("save", STOCK_STAGER, "safe_s"),
+            "needs save",
+        ),
+        lambda v: v <= 0.5,
+    ),
+    Target(
+        "durable throughput: ours async / parallel write+fsync limit",
+        ">= 0.8",
+        _durable_vs_limit,
+        lambda v: v >= 0.8,
+    ),
+    Target(
+        "durable time: pool 1/4 / full pool",
+        "<= 1.2",
+        lambda f: _ratio_value(
+            f.spread("save", OURS_QUARTER, "durable_s"),
+            f.spread("save", OURS_FULL, "durable_s"),
+            "needs save",
+        ),
+        lambda v: v <= 1.2,
+    ),
+    Target(
+        "cold load: ours reader / best raw read bandwidth",
+        ">= 0.85",
+        _cold_load,
+        lambda v: v >= 0.85,
+    ),
+    Target(
+        "warm load: ours reader speed / stock reader",
+        ">= 1.5",
+        lambda f: _ratio_value(
+            f.spread("load", load.OURS, "gb_per_s", checkpoint="ours", cache="warm"),
+            f.spread("load", load.STOCK, "gb_per_s", checkpoint="ours", cache="warm"),
+            "needs load",
+            "GB/s",
+        ),
+        lambda v: v >= 1.5,
+    ),
+    Target(
+        "training overhead: ours / stock async",
+        "<= 0.5",
+        lambda f: _ratio_value(
+            _overheads(f, train.OURS), _overheads(f, train.STOCK_ASYNC), "needs train"
+        ),
+        lambda v: v <= 0.5,
+    ),
+]
+
+
+def targets_table(f: _Figures) -> str:
+    rows = []
+    for t in TARGETS:
+        value, detail = t.measure(f)
+        if value is None:
+            rows.append([t.name, "-", t.threshold, f"n/a ({detail})", ""])
+        else:
+            verdict = "met" if t.ok(value) else "MISSED"
+            rows.append([t.name, f"{value:.4g}", t.threshold, verdict, detail])
+    header = ["target", "measured", "threshold", "result", "compared: median [min-max]"]
+    return "### Targets\n\n" + _table(header, rows)
+
+
+def summary(rec: Recorder) -> str:
+    f = _Figures(rec)
+    parts = [
+        limits_table(f),
+        save_table(f),
+        load_table(f),
+        train_table(f),
+        scaling_table(f),
+        ranks_table(f),
+        targets_table(f),
+    ]
+    m = rec.machine
+    head = (
+        f"## Summary (torch {rec.records[0]['torch'] if rec.records else '-'}, "
+        f"{m['cpus']} CPUs, {m['ram_gb']} GB RAM, {m.get('disk')})\n\n"
+        f"Run {rec.run_id}{' (--quick: sizes too small to mean anything)' if rec.quick else ''}. "
+        "Medians over rounds, [min-max] in brackets; ratios are ratios of medians."
+    )
+    notes = "\n".join(f"- {n}" for n in rec.notes)
+    return "\n\n".join([head, *[p for p in parts if p], *([notes] if notes else [])]) + "\n"

@@ -1,0 +1,61 @@
+"""The scaling scenario: how each system's save cost grows with state size and tensor count.
+
+To fit the default run's time budget this uses a reduced system set (stock ``dcp.save`` with one
+thread, stock ``dcp.async_save`` default, ours async with a full pool), one round, and runs in
+this process. Each point builds its state once and each system saves it once, except that a
+system keeping state between saves (our writer: its host pool) saves twice and reports the second
+save, as the save scenario does (the first, with the pool's allocation, is in ``first_save``).
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+from pathlib import Path
+
+from . import state, systems
+from .common import GB, Recorder, alternate, fresh_dir, log
+
+KEYS = ["stock-sync-t1", "stock-async", "ours-async-1"]
+
+
+def run(
+    rec: Recorder,
+    *,
+    workdir: Path,
+    sizes: list[float],
+    size_tensors: int,
+    counts: list[int],
+    count_bytes: float,
+) -> None:
+    workdir = fresh_dir(workdir / "scaling")
+    points = [("size", nbytes, size_tensors) for nbytes in sizes]
+    points += [("count", count_bytes, n) for n in counts]
+    log(f"scaling: sizes {[s / GB for s in sizes]} GB, counts {counts}")
+    for p, (axis, nbytes, tensors) in enumerate(points):
+        sd = state.build(nbytes, tensors)
+        size = state.nbytes(sd)
+        count = len(state.tensors_of(sd))
+        for key in alternate(KEYS, p):
+            system = systems.make(key, workdir / "root", size)
+            path = workdir / key
+            first = None
+            try:
+                if system.keeps_state:
+                    first = system.save(sd, path, no_dist=True).figures()
+                    shutil.rmtree(path, ignore_errors=True)
+                times = system.save(sd, path, no_dist=True)
+            finally:
+                system.close()
+                shutil.rmtree(path, ignore_errors=True)
+            rec.emit(
+                "scaling",
+                systems.SAVE_SYSTEMS[key],
+                {**times.figures(), "durable_gb_per_s": size / GB / times.durable_s},
+                first_save=first,
+                axis=axis,
+                bytes=size,
+                tensors=count,
+            )
+        del sd
+        gc.collect()

@@ -1,0 +1,163 @@
+"""The benchmark suite's --quick mode runs end to end, so the suite never rots.
+
+``scripts/bench.py all --quick`` runs as a real subprocess in a temporary directory (its save
+workers and two gloo ranks are real processes too). The test judges what it printed and wrote:
+JSON lines for every scenario and system with positive finite figures, the summary with every
+target given a verdict, and a PNG timeline that decodes. Targets themselves are not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+
+SAVE_SYSTEMS = {
+    "stock dcp.save t1",
+    "stock dcp.save t2",
+    "stock async_save default",
+    "stock async_save DefaultStager",
+    "ours dcp.save",
+    "ours async pool 1/1",
+    "ours async pool 1/4",
+    "ours async pool 1/16",
+}
+#: scenario -> (systems that must appear, figures every record of it must carry)
+EXPECTED: dict[str, tuple[set[str], set[str]]] = {
+    "limits": (
+        {"write+fsync x1", "write+fsync x4", "read warm", "memcpy"},
+        {"seconds", "gb_per_s"},
+    ),
+    "save": (SAVE_SYSTEMS | {"raw write+fsync x4"}, {"durable_s", "durable_gb_per_s"}),
+    "load": (
+        {
+            "raw read 1 stream",
+            "raw read 4 streams",
+            "stock FileSystemReader",
+            "ours DataStatesReader",
+        },
+        {"seconds", "gb_per_s"},
+    ),
+    "train": (
+        {"no checkpoint", "stock dcp.save", "stock async_save", "ours async_save"},
+        {"total_s", "step_median_s", "step_max_s"},
+    ),
+    "scaling": (
+        {"stock dcp.save t1", "stock async_save default", "ours async pool 1/1"},
+        {"blocked_s", "safe_s", "durable_s", "durable_gb_per_s"},
+    ),
+    "ranks": (
+        {"stock dcp.save t1", "stock async_save default", "ours async pool 1/1"},
+        {"blocked_s", "safe_s", "durable_s", "durable_gb_per_s"},
+    ),
+}
+TARGETS = [
+    "blocked: ours async / stock async_save default",
+    "safe to mutate: ours async / stock DefaultStager staging",
+    "durable throughput: ours async / parallel write+fsync limit",
+    "durable time: pool 1/4 / full pool",
+    "cold load: ours reader / best raw read bandwidth",
+    "warm load: ours reader speed / stock reader",
+    "training overhead: ours / stock async",
+]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "out"
+    cmd = [sys.executable, str(BENCH), "all", "--quick", "--out", str(out), "--dir", str(tmp / "d")]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=200)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, f"bench.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    records = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    return {"out": out, "tmp": tmp, "stdout": proc.stdout, "records": records, "elapsed": elapsed}
+
+
+def _positive_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.parametrize("scenario", list(EXPECTED))
+def test_every_scenario_emits_json_lines_with_positive_finite_figures(
+    quick_run: dict[str, Any], scenario: str
+) -> None:
+    records = [r for r in quick_run["records"] if r["scenario"] == scenario]
+    systems, figures = EXPECTED[scenario]
+    assert systems <= {r["system"] for r in records}, f"{scenario}: missing systems"
+    for r in records:
+        assert {"scenario", "system", "figures", "torch", "machine", "run_id", "quick"} <= set(r)
+        assert r["quick"] is True and r["torch"] and r["machine"]["cpus"] >= 1
+        if r["system"] in systems and not r["system"].startswith("raw"):
+            assert figures <= set(r["figures"]), f"{scenario}/{r['system']}: {r['figures']}"
+        assert r["figures"] and all(_positive_finite(v) for v in r["figures"].values()), r
+
+
+def test_save_times_are_ordered_and_memory_is_reported(quick_run: dict[str, Any]) -> None:
+    saves = [r for r in quick_run["records"] if r["scenario"] == "save" and "memory" in r]
+    assert {r["system"] for r in saves} == SAVE_SYSTEMS
+    for r in saves:
+        f = r["figures"]
+        assert f["blocked_s"] <= f["safe_s"] + 1e-6 <= f["durable_s"] + 2e-6, r
+        assert r["bytes"] > 0 and r["tensors"] > 0
+        assert all(math.isfinite(v) for v in r["memory"].values())
+        assert r["memory"]["maxrss_bytes"] > r["memory"]["base_rss_bytes"] > 0
+
+
+def test_load_covers_both_checkpoints_cold_and_warm(quick_run: dict[str, Any]) -> None:
+    loads = [r for r in quick_run["records"] if r["scenario"] == "load"]
+    combos = {(r["checkpoint"], r["cache"].split(" ")[0], r["system"]) for r in loads}
+    readers = EXPECTED["load"][0]
+    expected = {(c, k, s) for c in ("ours", "stock") for k in ("cold", "warm") for s in readers}
+    assert expected <= combos
+
+
+def test_results_file_holds_the_same_json_lines(quick_run: dict[str, Any]) -> None:
+    lines = (quick_run["out"] / "results.jsonl").read_text().splitlines()
+    assert [json.loads(ln) for ln in lines] == quick_run["records"]
+
+
+def test_summary_table_gives_every_target_a_verdict(quick_run: dict[str, Any]) -> None:
+    stdout = quick_run["stdout"]
+    summary = stdout[stdout.index("## Summary") :]
+    for heading in ("### Limits", "### Save", "### Load", "### Training", "### Scaling"):
+        assert heading in summary
+    assert "### Two ranks" in summary and "### Targets" in summary
+    rows = {ln.split("|")[1].strip(): ln for ln in summary.splitlines() if ln.startswith("| ")}
+    for target in TARGETS:
+        assert target in rows, f"target {target!r} missing from the summary"
+        assert any(v in rows[target] for v in ("| met |", "| MISSED |", "| n/a (")), rows[target]
+    assert (quick_run["out"] / "summary.md").read_text().strip() in stdout
+
+
+def test_timeline_png_is_a_valid_png(quick_run: dict[str, Any]) -> None:
+    png = quick_run["out"] / "timeline.png"
+    data = png.read_bytes()
+    assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+    length, kind, width, height = struct.unpack(">I4sII", data[8:24])
+    assert kind == b"IHDR" and length == 13 and width > 100 and height > 100
+    assert data[-12:-4] == b"\x00\x00\x00\x00IEND"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png).shape[:2] == (height, width)
+
+
+def test_quick_mode_takes_seconds_and_cleans_its_scratch_directory(
+    quick_run: dict[str, Any],
+) -> None:
+    # Generous: the point of --quick is seconds, but CI machines are shared.
+    assert quick_run["elapsed"] < 120, f"--quick took {quick_run['elapsed']:.0f} s"
+    scratch = quick_run["tmp"] / "d"
+    assert not any(p.is_file() for p in scratch.rglob("*")), "scratch files left behind"
