@@ -132,9 +132,12 @@ class _Runtime:
         self.flushes.add(flush)
         flush.add_done_callback(self.flushes.discard)
 
-    def close(self) -> None:
+    def wait_for_flushes(self) -> None:
         concurrent.futures.wait(list(self.flushes))
-        self.scheduler.close()
+
+    def close(self) -> None:
+        self.wait_for_flushes()
+        self.scheduler.close()  # waits for copies in flight; they release their blocks
         self.pool.close()
 
 
@@ -258,8 +261,16 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             s.abort(error)
 
     def close(self) -> None:
-        """Release the host pool and the writer's threads (waits for running saves)."""
+        """Release the host pool and the writer's threads. Waits for saves that are flushing;
+        a snapshot no save is writing (staged but never saved) is dropped."""
         if self._runtime is not None:
+            self._runtime.wait_for_flushes()
+            self._drop_unwritten(
+                SnapshotAbortedError(
+                    f"the DataStatesWriter for {self.path} was closed before this snapshot was "
+                    "written; save again with an open writer"
+                )
+            )
             self._runtime.close()
             self._runtime = None
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import READERS, MiB, assert_same_state, load_like
 
-from dcp_datastates import async_save
+from dcp_datastates import DataStatesWriter, async_save
 
 SMALL_POOL = {"host_pool_bytes": MiB, "chunk_bytes": 64 * 1024, "coalesce_bytes": 16 * 1024}
 
@@ -72,3 +72,13 @@ def test_consecutive_saves_reuse_one_pool(tmp_path: Path, make_writer) -> None:
     assert writer.last_stats.pool_bytes == MiB
     assert writer._runtime is not None and writer._runtime.pool.in_use == 0
     assert_same_state(state, load_like(tmp_path / "c2", state, "datastates"))
+
+
+def test_closing_a_writer_drops_a_snapshot_that_was_staged_but_never_saved(
+    tmp_path: Path,
+) -> None:
+    writer = DataStatesWriter(tmp_path, host_pool_bytes=4 * MiB)
+    state = {"w": torch.randn(MiB), "v": torch.randn(MiB)}
+    writer.stage(state)  # no save follows: a caller that changed its mind
+    writer.close()  # must not raise about blocks in use, nor hang
+    assert writer._runtime is None
