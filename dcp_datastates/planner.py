@@ -6,11 +6,14 @@ import io
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
 from .errors import InvalidStateDictError
 from .providers import ObjectProvider, StateProvider, has_registered_provider, provider_for
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 class DataStatesSavePlanner(DefaultSavePlanner):
@@ -21,8 +24,21 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         if item.type == WriteItemType.BYTE_IO:
             value = self.lookup_object(item.index)
         else:
-            value = self.resolve_data(item)  # the local tensor or shard, detached
+            value = self._plain_tensor(item)
+            if value is None:
+                value = self.resolve_data(item)  # the local tensor or shard
         return provider_for(item, value)
+
+    def _plain_tensor(self, item: WriteItem) -> torch.Tensor | None:
+        """``resolve_data`` for a plain tensor, without DCP's per-item DTensor/ShardedTensor
+        probing (most of ``stage()``'s time with thousands of tensors)."""
+        value = self.state_dict.get(item.index.fqn)
+        if type(value) not in _PLAIN_TENSORS:
+            return None
+        offset = item.index.offset
+        if offset is not None and (len(offset) != value.dim() or any(offset)):
+            return None  # let DCP raise its error
+        return value
 
 
 def provider_from_any_planner(item: WriteItem, planner: SavePlanner) -> StateProvider:
