@@ -12,8 +12,13 @@ class SaveStats:
     Attributes:
         checkpoint_id: Where the checkpoint went.
         rank: This rank.
-        blocked_s: How long the caller was blocked (``stage()``, or the whole ``dcp.save``).
+        blocked_s: How long the caller was blocked (``stage()``, or the whole ``dcp.save``;
+            ``dcp_datastates.async_save`` sets it to its whole call).
+        stage_s: How long ``stage()`` itself took (None for a plain ``dcp.save``).
         safe_to_mutate_s: When the snapshot finished, so the state could change again.
+        flush_started_s: When ``write_data`` started writing this rank's files.
+        flushed_s: When this rank's files were all written (and fsynced).
+        commit_s: How long the commit took (coordinator only: manifest, then ``.metadata``).
         durable_s: When this rank's data was on storage (and, on the coordinator, committed).
         bytes_written: Bytes this rank wrote, records and framing included.
         items: Items this rank wrote.
@@ -25,7 +30,11 @@ class SaveStats:
     checkpoint_id: str
     rank: int
     blocked_s: float = 0.0
+    stage_s: float | None = None
     safe_to_mutate_s: float | None = None
+    flush_started_s: float | None = None
+    flushed_s: float | None = None
+    commit_s: float | None = None
     durable_s: float | None = None
     bytes_written: int = 0
     items: int = 0

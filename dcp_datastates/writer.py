@@ -307,7 +307,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._runtime.scheduler.submit(session)
         self._last_staged = session.staged
         session.created = start
-        stats.blocked_s = time.monotonic() - start
+        stats.blocked_s = stats.stage_s = time.monotonic() - start
         return state_dict
 
     def synchronize_staging(self) -> None:
@@ -387,6 +387,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 session.abort(exc)  # give its pool blocks back now, not when the thread exits
                 raise
         session.flush_started = True
+        if save.stats is not None:
+            save.stats.flush_started_s = time.monotonic() - save.started
         result = flush(
             storage=save.storage,
             items=plan.items,
@@ -428,6 +430,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         assert session is not None and stats is not None
         if session.staged_at is not None:
             stats.safe_to_mutate_s = session.staged_at - save.started
+        stats.flushed_s = time.monotonic() - save.started
         if fut.exception() is not None or not save.is_coordinator:
             save.done = True
         if fut.exception() is not None:
@@ -455,9 +458,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         save = self._save()
+        start = time.monotonic()
         _commit.commit(
             save.storage, metadata, results, sync=self.options.sync_files, rank=save.rank
         )
+        if save.stats is not None:
+            save.stats.commit_s = time.monotonic() - start
         self._done(save)
         save.done = True
 

@@ -353,5 +353,13 @@ def test_each_save_reports_sensible_stats(tmp_path: Path, make_writer, api: str)
     assert stats.safe_to_mutate_s is not None and stats.durable_s is not None
     assert 0 <= stats.safe_to_mutate_s <= stats.durable_s
     assert 0 <= stats.blocked_s <= stats.durable_s
+    # The phases, in order on one clock: flushing starts, the files land, the commit finishes.
+    assert stats.flush_started_s is not None and stats.flushed_s is not None
+    assert 0 <= stats.flush_started_s <= stats.flushed_s <= stats.durable_s
+    assert stats.commit_s is not None and 0 <= stats.commit_s <= stats.durable_s - stats.flushed_s
+    if api == "dcp.save":
+        assert stats.stage_s is None  # no stage(): DCP snapshots in write_data
+    else:
+        assert stats.stage_s is not None and 0 <= stats.stage_s <= stats.blocked_s
     assert stats.optimizer_wait_s == 0
     assert "saved 7 items" in stats.summary()
