@@ -19,6 +19,8 @@ import pickle
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -158,13 +160,19 @@ class DataStatesReader(StorageReader):
         """Safe mode: every file named stays in the directory and every record in its file."""
         if self.trusted or self.metadata is None or self._checked is self.metadata:
             return
-        records = []
-        for index, sinfo in self.metadata.storage_data.items():
-            check_relative_path(self.storage, sinfo.relative_path)
-            records.append((index.fqn, sinfo.relative_path, sinfo.offset, sinfo.length))
-        for key, info in (self.manifest or {}).items():
-            check_relative_path(self.storage, info.relative_path)
-            records.append((key, info.relative_path, info.offset, info.length))
+        records = [
+            (index.fqn, sinfo.relative_path, sinfo.offset, sinfo.length)
+            for index, sinfo in self.metadata.storage_data.items()
+        ]
+        records += [
+            (key, info.relative_path, info.offset, info.length)
+            for key, info in (self.manifest or {}).items()
+        ]
+        checked: set[Any] = set()
+        for _, name, _, _ in records:  # thousands of items share a few files
+            if name not in checked:
+                check_relative_path(self.storage, name)
+                checked.add(name)
         check_extents(self.storage, records)
         self._checked = self.metadata
 
@@ -246,8 +254,24 @@ class DataStatesReader(StorageReader):
         raise KeyError(f"no saved chunk of {index.fqn!r} at offset {tuple(index.offset)}")
 
     def _load_bytes(self, name: str, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
-        # DefaultLoadPlanner.load_bytes calls torch.load(weights_only=False): check the record
+        if self.trusted:
+            planner.load_bytes(req, io.BytesIO(blob))
+            return
+        # DefaultLoadPlanner.load_bytes calls torch.load(weights_only=False): load the record
         # with the weights-only unpickler first, so that a safe load never runs its globals.
-        if not self.trusted:
-            check_object_record(blob, self.storage.describe(name), req.storage_index.fqn)
-        planner.load_bytes(req, io.BytesIO(blob))
+        value = check_object_record(blob, self.storage.describe(name), req.storage_index.fqn)
+        if not _set_loaded_object(planner, req, value):
+            planner.load_bytes(req, io.BytesIO(blob))  # another planner: let it deserialize
+
+
+def _set_loaded_object(planner: LoadPlanner, req: ReadItem, value: Any) -> bool:
+    """Do what ``DefaultLoadPlanner.load_bytes`` does with an object already loaded (safely),
+    instead of deserializing it a second time; only for exactly that planner."""
+    if type(planner) is not DefaultLoadPlanner:
+        return False
+    fqn = req.dest_index.fqn
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[fqn], value)
+    else:
+        planner.state_dict[fqn] = value
+    return True

@@ -145,11 +145,12 @@ def check_extents(
             )
 
 
-def check_object_record(blob: bytes, where: str, fqn: str) -> None:
-    """Refuse an object record that ``torch.load(weights_only=True)`` rejects: DCP's planner
-    loads object items with ``weights_only=False``, which would run the pickle's globals."""
+def check_object_record(blob: bytes, where: str, fqn: str) -> Any:
+    """The object in ``blob``, loaded with ``torch.load(weights_only=True)``; refuse a record
+    that it rejects: DCP's planner loads object items with ``weights_only=False``, which would
+    run the pickle's globals."""
     try:
-        torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except Exception as exc:
         lines = str(exc).splitlines() or [type(exc).__name__]
         # torch's message is long; the line naming the refused global is the useful one.

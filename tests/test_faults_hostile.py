@@ -40,7 +40,9 @@ def _edit_manifest(path: Path, field: str, value: Any, key: str = "w@0,0") -> st
         del body["items"][key]
     else:
         body["items"][key][field] = value
-    body[MANIFEST_CRC_FIELD] = crc32c(json.dumps(body, indent=1, sort_keys=True).encode())
+    body[MANIFEST_CRC_FIELD] = crc32c(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    )
     (path / MANIFEST_NAME).write_text(json.dumps(body))
     return key
 

@@ -271,3 +271,24 @@ def test_verify_false_reads_past_a_damaged_manifest_and_warns(
         read(tmp_path, target, FetchOptions(verify=False), verify=False)
     assert_same_state(state, target)
     assert any("reading without the manifest" in r.getMessage() for r in caplog.records)
+
+
+def test_objects_load_through_the_default_planner_and_a_custom_one(tmp_path: Path) -> None:
+    """Safe mode loads each object once (weights-only) and hands it to DefaultLoadPlanner; any
+    other planner gets the bytes through its own load_bytes, as DCP's contract says."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    seen: list[str] = []
+
+    class CountingPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            seen.append(read_item.dest_index.fqn)
+            super().load_bytes(read_item, value)
+
+    state = mixed_state()
+    save(state, tmp_path, "datastates")
+    for planner in (DefaultLoadPlanner(), CountingPlanner()):
+        target = blank_like(state)
+        dcp.load(target, storage_reader=DataStatesReader(tmp_path), planner=planner, no_dist=True)
+        assert_same_state(state, target)
+    assert sorted(seen) == ["note.lrs", "note.text", "step"]
