@@ -72,9 +72,15 @@ class RankResult:
 
 
 def launch(
-    scenario: str, workdir: Path, *, world_size: int = 2, timeout: float = 60.0
+    scenario: str,
+    workdir: Path,
+    *,
+    world_size: int = 2,
+    timeout: float = 60.0,
+    script: str = __file__,
 ) -> list[RankResult]:
-    """Run ``scenario`` on ``world_size`` fresh processes; every process is gone on return."""
+    """Run ``scenario`` of ``script`` (this module, or another worker module taking the same
+    arguments) on ``world_size`` fresh processes; every process is gone on return."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -83,7 +89,7 @@ def launch(
         log = open(workdir / f"rank{rank}.log", "w+b")  # noqa: SIM115 - closed below
         cmd = [
             sys.executable,
-            __file__,
+            script,
             scenario,
             str(rank),
             str(world_size),

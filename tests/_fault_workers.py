@@ -36,12 +36,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _dist_workers import (  # noqa: E402
-    FAILED_PEER_GRACE_S,
-    RankResult,
-    _init,
-    free_port,
-)
+from _dist_workers import RankResult, _init, launch  # noqa: E402
 from _faults_util import BOUNDED_S, apply_step, base_state  # noqa: E402
 
 #: Size of the crash worker's state, and its writer: a pool smaller than the state makes the
@@ -169,38 +164,11 @@ def _rank_fails(failing: int, rank: int, world_size: int, port: int, workdir: Pa
 
 
 # -- launcher (runs in pytest) -------------------------------------------------------------------
-def launch_ranks(scenario: str, workdir: Path, *, world_size: int = 2, timeout: float = 90.0):
-    """Run ``scenario`` of this module on ``world_size`` fresh gloo processes (as
-    ``_dist_workers.launch`` does for its own scenarios); every process is gone on return."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    procs = []
-    for rank in range(world_size):
-        log = open(workdir / f"rank{rank}.log", "w+b")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, __file__, scenario, str(rank), str(world_size), str(port)]
-        cmd.append(str(workdir))
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + timeout
-    try:
-        for proc, _ in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                if proc.wait(timeout=max(0.1, deadline - time.monotonic())) != 0:
-                    deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE_S)
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    out = []
-    for rank, (proc, log) in enumerate(procs):
-        log.seek(0)
-        text = log.read().decode(errors="replace")
-        log.close()
-        report_path = workdir / f"rank{rank}.json"
-        report = json.loads(report_path.read_text()) if report_path.exists() else {}
-        out.append(RankResult(rank, proc.returncode, text, report))
-    return out
+def launch_ranks(
+    scenario: str, workdir: Path, *, world_size: int = 2, timeout: float = 90.0
+) -> list[RankResult]:
+    """Run ``scenario`` of this module on ``world_size`` fresh gloo processes."""
+    return launch(scenario, workdir, world_size=world_size, timeout=timeout, script=__file__)
 
 
 def start_crash_worker(run_dir: Path, first_step: int) -> subprocess.Popen:
