@@ -244,8 +244,9 @@ def _scenario_load(reader: str, rank: int, world_size: int, port: int, workdir: 
     return {"differs": differs, "local_shapes": local_shapes}
 
 
-def _failing_writer_class() -> type:
-    """A ``DataStatesWriter`` whose data files fail part-way through, like a full disk would."""
+def _failing_writer_class(armed: list[bool] | None = None) -> type:
+    """A ``DataStatesWriter`` whose data files fail after their first write, like a failing
+    device would; only while ``armed[0]`` when ``armed`` is given (so a retry can succeed)."""
     from dcp_datastates import DataStatesWriter
     from dcp_datastates.format import DATA_SUFFIX
     from dcp_datastates.storage import LocalStorage
@@ -265,7 +266,8 @@ def _failing_writer_class() -> type:
         @contextlib.contextmanager
         def open_write(self, name: str, *, sync: bool) -> Iterator[Any]:
             with super().open_write(name, sync=sync) as f:
-                yield _FailingFile(f) if name.endswith(DATA_SUFFIX) else f
+                failing = armed is None or armed[0]
+                yield _FailingFile(f) if failing and name.endswith(DATA_SUFFIX) else f
 
     class FailingWriter(DataStatesWriter):
         def write_data(self, plan: Any, planner: Any) -> Any:

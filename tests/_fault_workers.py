@@ -22,28 +22,24 @@ the same writers (the fault gone) succeeded.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _dist_workers import RankResult, _init, launch  # noqa: E402
+from _dist_workers import RankResult, _failing_writer_class, _init, launch  # noqa: E402
 from _faults_util import BOUNDED_S, apply_step, base_state  # noqa: E402
 
 #: Size of the crash worker's state, and its writer: a pool smaller than the state makes the
 #: snapshot stream behind the flush, so snapshot and flush overlap as they do for big models.
 CRASH_STATE_MIB = 24
 CRASH_WRITER_OPTIONS = {"host_pool_bytes": 8 << 20, "chunk_bytes": 1 << 20, "flush_workers": 2}
-INJECTED = "injected device failure"
 
 
 # -- crash worker --------------------------------------------------------------------------------
@@ -88,38 +84,6 @@ def _crash(run_dir: Path, first_step: int) -> None:
 
 
 # -- failing-rank worker -------------------------------------------------------------------------
-def _failing_writer(armed: list[bool]) -> type:
-    """A real writer whose storage fails a data file after its first write while ``armed[0]``."""
-    from dcp_datastates import DataStatesWriter
-    from dcp_datastates.format import DATA_SUFFIX
-    from dcp_datastates.storage import LocalStorage
-
-    class FailingFile:
-        def __init__(self, f: Any) -> None:
-            self._f = f
-            self._writes = 0
-
-        def write(self, data: Any) -> int:
-            self._writes += 1
-            if self._writes > 1:
-                raise OSError(errno.EIO, INJECTED)
-            return self._f.write(data)
-
-    class FailingStorage(LocalStorage):
-        @contextlib.contextmanager
-        def open_write(self, name: str, *, sync: bool) -> Iterator[Any]:
-            with super().open_write(name, sync=sync) as f:
-                yield FailingFile(f) if armed[0] and name.endswith(DATA_SUFFIX) else f
-
-    class FailingWriter(DataStatesWriter):
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            save = self._save()
-            save.storage = FailingStorage(save.storage.root)
-            return super().write_data(plan, planner)
-
-    return FailingWriter
-
-
 def _rank_fails(failing: int, rank: int, world_size: int, port: int, workdir: Path) -> dict:
     import torch.distributed as dist
 
@@ -129,7 +93,7 @@ def _rank_fails(failing: int, rank: int, world_size: int, port: int, workdir: Pa
     armed = [True]
     options = {"host_pool_bytes": 4 << 20, "chunk_bytes": 1 << 20}
     if rank == failing:
-        writer = _failing_writer(armed)(workdir / "unused", **options)
+        writer = _failing_writer_class(armed)(workdir / "unused", **options)
     else:
         writer = DataStatesWriter(workdir / "unused", **options)
     # 16 MiB per rank through a 4 MiB pool: the healthy rank is mid-flush when the other fails.

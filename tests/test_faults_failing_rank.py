@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _dist_workers import check_all_ok
-from _fault_workers import INJECTED, launch_ranks
+from _dist_workers import INJECTED, check_all_ok
+from _fault_workers import launch_ranks
 from _faults_util import BOUNDED_S, base_state
 
 from dcp_datastates import CheckpointNotCommittedError, DataStatesReader
