@@ -104,11 +104,17 @@ class DataStatesReader(StorageReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         self.metadata = metadata
+        self._prepare()
+        return metadata
+
+    def _prepare(self) -> None:
+        """Manifest and checks, once per metadata (DCP hands it back in set_up_storage_reader)."""
+        if self.metadata is None or self._checked is self.metadata:
+            return
         self._load_manifest()
         self._check_layout()
         self._check_manifest_matches_metadata()
-        self._check_manifest_matches_metadata()
-        return metadata
+        self._checked = self.metadata
 
     def _load_manifest(self) -> None:
         if self.manifest is not None:
@@ -158,7 +164,7 @@ class DataStatesReader(StorageReader):
 
     def _check_layout(self) -> None:
         """Safe mode: every file named stays in the directory and every record in its file."""
-        if self.trusted or self.metadata is None or self._checked is self.metadata:
+        if self.trusted or self.metadata is None:
             return
         records = [
             (index.fqn, sinfo.relative_path, sinfo.offset, sinfo.length)
@@ -174,7 +180,6 @@ class DataStatesReader(StorageReader):
                 check_relative_path(self.storage, name)
                 checked.add(name)
         check_extents(self.storage, records)
-        self._checked = self.metadata
 
     def _not_committed(self) -> CheckpointNotCommittedError:
         found = [n for n in self.storage.list_names() if n.endswith(DATA_SUFFIX)]
@@ -188,9 +193,7 @@ class DataStatesReader(StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self.metadata = metadata
-        self._load_manifest()
-        self._check_layout()
-        self._check_manifest_matches_metadata()
+        self._prepare()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
