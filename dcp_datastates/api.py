@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from .errors import CheckpointSaveError, SnapshotAbortedError
+from .errors import CheckpointSaveError
 from .writer import DataStatesWriter
 
 logger = logging.getLogger(__name__)
@@ -43,9 +43,9 @@ def async_save(
     start = time.monotonic()
     try:
         returned = dcp.async_save(state_dict, storage_writer=writer, **kwargs)
-    except BaseException as exc:
+    except BaseException:
         if owned:
-            _close_owned(writer, exc)
+            _close_owned(writer)
         raise
     blocked = time.monotonic() - start
     if isinstance(returned, AsyncSaveResponse):  # PROCESS mode: staging is a future already
@@ -60,7 +60,7 @@ def async_save(
         if writer.last_stats is not None:
             writer.last_stats.blocked_s = blocked
         if owned:  # a writer made for one save: release its pool and threads before reporting
-            _close_owned(writer, f.exception())
+            _close_owned(writer)
         try:
             out.set_result(f.result())
         except BaseException as exc:  # CheckpointException is a BaseException
@@ -70,14 +70,10 @@ def async_save(
     return AsyncSaveResponse(staging_completion=staging, upload_completion=out)
 
 
-def _close_owned(writer: DataStatesWriter, error: BaseException | None) -> None:
-    """Close a writer made for one save; without this every ``async_save(sd, path)`` kept a host
-    pool and four threads alive for the life of the process."""
+def _close_owned(writer: DataStatesWriter) -> None:
+    """Close a writer made for one save (``close()`` also drops a snapshot a failed save left);
+    without this every ``async_save(sd, path)`` kept a host pool and threads for good."""
     try:
-        if error is not None:
-            writer._drop_unwritten(
-                SnapshotAbortedError(f"the save failed, its snapshot was dropped: {error}")
-            )
         writer.close()
     except Exception:  # the save's own outcome is what the caller must see
         logger.exception("closing the writer of %s failed", writer.path)
