@@ -55,7 +55,7 @@ from .flush import flush
 from .format import METADATA_NAME
 from .options import MiB, WriterOptions
 from .planner import plan_providers, provider_from_any_planner
-from .process_staging import stage_for_process
+from .process_staging import daemon_runtime, stage_for_process
 from .snapshot import guard as _guard
 from .snapshot.engine import SnapshotScheduler, SnapshotSession
 from .snapshot.pool import HostPool
@@ -198,19 +198,24 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._init_runtime_state()
+        self._unpickled = True  # DCP's daemon makes one per request: share one runtime there
 
     # -- runtime -----------------------------------------------------------------------------
     def _ensure_runtime(self, state_bytes: int) -> _Runtime:
+        if self._runtime is None and getattr(self, "_unpickled", False):
+            self._runtime = daemon_runtime(self.options, lambda: self._make_runtime(state_bytes))
         if self._runtime is None:
-            size = self.options.host_pool_bytes
-            if size is None:
-                cap = int(_physical_memory() * self.options.max_pool_fraction)
-                size = max(16 * MiB, min(state_bytes, cap))
-            self._runtime = _Runtime(self.options, size, self._reap_abandoned)
-            logger.info(
-                "rank %d: host pool of %d bytes", _current_rank(), self._runtime.pool.capacity
-            )
+            self._runtime = self._make_runtime(state_bytes)
         return self._runtime
+
+    def _make_runtime(self, state_bytes: int) -> _Runtime:
+        size = self.options.host_pool_bytes
+        if size is None:
+            cap = int(_physical_memory() * self.options.max_pool_fraction)
+            size = max(16 * MiB, min(state_bytes, cap))
+        runtime = _Runtime(self.options, size, self._reap_abandoned)
+        logger.info("rank %d: host pool of %d bytes", _current_rank(), runtime.pool.capacity)
+        return runtime
 
     def _new_session(self, items: list, rank: int) -> SnapshotSession:
         state_bytes = sum(p.nbytes for _, p in items)
@@ -271,7 +276,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                     "written; save again with an open writer"
                 )
             )
-            self._runtime.close()
+            if not getattr(self, "_unpickled", False):  # a daemon's runtime outlives its writers
+                self._runtime.close()
             self._runtime = None
 
     # -- AsyncStager -------------------------------------------------------------------------
