@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import commit as _commit
-from .errors import InvalidStateDictError, SnapshotAbortedError
+from .errors import InvalidStateDictError, SnapshotAbortedError, portable
 from .flush import flush
 from .format import METADATA_NAME
 from .options import MiB, WriterOptions
@@ -493,7 +493,7 @@ def _to_torch_future(fut: Future[Any]) -> torch.futures.Future:
     def relay(f: Future[Any]) -> None:
         exc = f.exception()
         if exc is not None:
-            out.set_exception(exc)
+            out.set_exception(portable(exc))  # DCP pickles it to the coordinator
         else:
             out.set_result(f.result())
 

@@ -60,19 +60,40 @@ def sample_errors() -> dict[str, BaseException]:
     }
 
 
+class UserProviderError(Exception):
+    """What a user's provider might raise: a keyword-only ``__init__`` cannot be unpickled."""
+
+    def __init__(self, *, item: str) -> None:
+        super().__init__(f"{item}: {CAUSE}")
+
+
+def injected_errors() -> dict[str, BaseException]:
+    """Every public error type, and a user error that does not survive pickling."""
+    return {**sample_errors(), "UserProviderError": UserProviderError(item="w")}
+
+
 def _injecting_writer(kind: list[str]) -> Any:
-    """A real writer whose ``write_data`` future fails with ``sample_errors()[kind[0]]``."""
-    import torch
+    """A real writer whose data files fail to open with ``injected_errors()[kind[0]]``, so the
+    error travels the real path: flush thread, the writer's future, DCP's gather."""
+    import contextlib
 
     from dcp_datastates import DataStatesWriter
+    from dcp_datastates.format import DATA_SUFFIX
+    from dcp_datastates.storage import LocalStorage
+
+    class RaisingStorage(LocalStorage):
+        @contextlib.contextmanager
+        def open_write(self, name: str, *, sync: bool) -> Any:
+            if name.endswith(DATA_SUFFIX):
+                raise injected_errors()[kind[0]]
+            with super().open_write(name, sync=sync) as f:
+                yield f
 
     class InjectingWriter(DataStatesWriter):
         def write_data(self, plan: Any, planner: Any) -> Any:
-            real = super().write_data(plan, planner)
-            real.wait()  # let the real flush finish: its error, not a half-written file, is ours
-            out: torch.futures.Future = torch.futures.Future()
-            out.set_exception(sample_errors()[kind[0]])
-            return out
+            save = self._save()
+            save.storage = RaisingStorage(save.storage.root)
+            return super().write_data(plan, planner)
 
     return InjectingWriter
 
@@ -87,7 +108,7 @@ def _errors(mode: str, rank: int, world_size: int, port: int, workdir: Path) -> 
     kind = [""]
     writer = _injecting_writer(kind)(workdir / "x") if rank == 1 else DataStatesWriter(workdir)
     report: dict[str, Any] = {}
-    for name in sample_errors():
+    for name in injected_errors():
         kind[0] = name
         state = _rank_state(world_size)
         path = str(workdir / name)
@@ -112,6 +133,7 @@ def _errors(mode: str, rank: int, world_size: int, port: int, workdir: Path) -> 
             }
         seen["seconds"] = time.monotonic() - start
         report[name] = seen
+        print(f"rank {rank}: {name}: {seen}", flush=True)
         dist.barrier()
     writer.close()
     dist.destroy_process_group()
