@@ -372,7 +372,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                     f"{save.storage.describe(METADATA_NAME)} exists and overwrite=False; save to a "
                     "new path or pass overwrite=True"
                 )
-            _commit.uncommit(save.storage)
+            _commit.uncommit(save.storage, sync=self.options.sync_files)
             logger.warning("overwriting the checkpoint at %s", save.storage.describe(""))
         return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]
 
