@@ -50,16 +50,26 @@ class InvalidStateDictError(DataStatesError, ValueError):
 class SnapshotMutationError(DataStatesError):
     """A tensor changed in place before its snapshot was taken: the checkpoint would be torn."""
 
-    def __init__(self, *, fqn: str, rank: int, before: int, after: int) -> None:
+    def __init__(
+        self, *, fqn: str, rank: int, before: int, after: int, unversioned: bool = False
+    ) -> None:
+        how = (
+            "its bytes changed without a version bump (a write through .data, .numpy() or a "
+            "torch.from_numpy view, which the optimizer guard cannot hold back)"
+            if unversioned
+            else f"version {before} -> {after}"
+        )
         super().__init__(
             f"rank {rank}: tensor {fqn!r} was modified in place while its snapshot was in flight "
-            f"(version {before} -> {after}); the checkpoint was not committed. Keep "
-            "guard_optimizer_step=True, or wait for staging_completion before changing the state."
+            f"({how}); the checkpoint was not committed. Keep guard_optimizer_step=True, change "
+            "tensors through ordinary in-place ops or the optimizer, or wait for "
+            "staging_completion before changing the state."
         )
         self.fqn = fqn
         self.rank = rank
         self.before = before
         self.after = after
+        self.unversioned = unversioned
 
 
 class StorageWriteError(DataStatesError, OSError):

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from .errors import InvalidStateDictError, SnapshotMutationError
 from .planner import check_state_dict
+from .providers.tensor import probe, probes_differ
 from .snapshot import guard as _guard
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def stage_for_process(state_dict: dict[str, Any], *, guard: bool) -> ProcessStaging:
     check_state_dict(state_dict)
-    sources: list[tuple[str, torch.Tensor, int]] = []  # (fqn, live tensor, version)
+    # (fqn, live tensor, version, bytes sampled now: see providers.tensor.probe)
+    sources: list[tuple[str, torch.Tensor, int, list[tuple[int, bytes]]]] = []
     offsets: list[int] = []
     total = 0
 
@@ -82,7 +84,7 @@ def stage_for_process(state_dict: dict[str, Any], *, guard: bool) -> ProcessStag
             t = value.detach()
             total += (-total) % 64
             start = total
-            sources.append((fqn, t, t._version))
+            sources.append((fqn, t, t._version, probe(t, _nbytes(t))))
             offsets.append(start)
             total += _nbytes(t)
             return lambda buf: buf[start : start + _nbytes(t)].view(t.dtype).view(t.shape)
@@ -106,13 +108,18 @@ def stage_for_process(state_dict: dict[str, Any], *, guard: bool) -> ProcessStag
         try:
             buf = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()
             staged_dict = build(buf)
-            for (fqn, src, version), start in zip(sources, offsets, strict=True):
+            for (fqn, src, version, probes), start in zip(sources, offsets, strict=True):
                 n = _nbytes(src)
                 if n:
                     buf[start : start + n].view(src.dtype).view(src.shape).copy_(src)
-                if src._version != version:
+                changed = probes_differ(probes, buf.data_ptr() + start, 0, n)
+                if src._version != version or changed:
                     raise SnapshotMutationError(
-                        fqn=fqn, rank=_rank(), before=version, after=src._version
+                        fqn=fqn,
+                        rank=_rank(),
+                        before=version,
+                        after=src._version,
+                        unversioned=src._version == version,
                     )
             result.set_result(staged_dict)
         except BaseException as exc:  # reaches the caller through DCP's upload future
