@@ -168,7 +168,7 @@ def _process_dtensor(rank: int, world_size: int, port: int, workdir: Path) -> di
     _init(rank, world_size, port)
     report: dict[str, Any] = {"daemon": [], "differs": []}
     # A fat extra tensor so that a leaked pool per save shows in the daemon's RSS.
-    big = torch.zeros(4 << 20)  # 16 MiB
+    big = torch.zeros(int(os.environ.get("CROSS_RANK_BIG_MIB", "16")) << 18)
     try:
         for i in range(saves):
             state = _rank_state(world_size)
