@@ -14,10 +14,10 @@ import pickle
 import re
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ._dcp_private import StorageInfo
 from .errors import DataStatesError
 from .format import (
     DATA_SUFFIX,
@@ -84,7 +84,7 @@ def commit(
     for rank_results in results:
         for wr in rank_results:
             info: RecordInfo = wr.storage_data
-            storage_data[wr.index] = _StorageInfo(info.relative_path, info.offset, info.length)
+            storage_data[wr.index] = StorageInfo(info.relative_path, info.offset, info.length)
             entries[manifest_key(wr.index.fqn, wr.index.offset)] = info
     manifest = encode_manifest(entries, world_size=len(results), torch_version=torch.__version__)
     written = {info.relative_path for info in entries.values()}
