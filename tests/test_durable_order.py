@@ -14,6 +14,7 @@ real saves run, and check their order:
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -135,9 +136,12 @@ def test_overwriting_a_bigger_save_uncommits_durably_and_leaves_no_stale_files(
     tmp_path: Path, record: Callable[[Path], list[Event]]
 ) -> None:
     ckpt = tmp_path / "ckpt"
-    _save(ckpt, 4, _state(9))  # an earlier, bigger save: four data files
+    _save(ckpt, 4, _state(9))  # an earlier, bigger save: four data files ...
     assert len(list(ckpt.glob(f"*{DATA_SUFFIX}"))) == 4
+    for rank in (2, 3):  # ... and the files ranks 2 and 3 of a 4-rank save would have left
+        shutil.copy(ckpt / f"__0_0{DATA_SUFFIX}", ckpt / f"__{rank}_0{DATA_SUFFIX}")
     (ckpt / f"{METADATA_NAME}.tmp").write_bytes(b"left by a commit that died")
+    (ckpt / "notes.txt").write_text("not ours: stays")
 
     events = record(ckpt)
     state = _state(8)
@@ -146,6 +150,7 @@ def test_overwriting_a_bigger_save_uncommits_durably_and_leaves_no_stale_files(
     # The old commit record goes first, durably, before a data byte is made durable.
     assert events[:2] == [("unlink", METADATA_NAME), ("fsync", "dir")], events
     stale = {f"__0_{n}{DATA_SUFFIX}" for n in (1, 2, 3)} | {f"{METADATA_NAME}.tmp"}
+    stale |= {f"__{rank}_0{DATA_SUFFIX}" for rank in (2, 3)}
     unlinked = [i for i, e in enumerate(events) if e[0] == "unlink" and e[1] in stale]
     assert {events[i][1] for i in unlinked} == stale
     data_sync = events.index(("fsync", f"__0_0{DATA_SUFFIX}"))
@@ -158,7 +163,7 @@ def test_overwriting_a_bigger_save_uncommits_durably_and_leaves_no_stale_files(
 
     # What is left is exactly what .metadata names, and every reader agrees with it.
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == sorted([f"__0_0{DATA_SUFFIX}", MANIFEST_NAME, METADATA_NAME])
+    assert names == sorted([f"__0_0{DATA_SUFFIX}", MANIFEST_NAME, METADATA_NAME, "notes.txt"])
     for reader in READERS:
         assert_same_state(state, load_like(ckpt, state, reader))
     assert cli.main(["verify", "--quiet", str(ckpt)]) == 0
