@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .errors import DataStatesError
-from .format import MANIFEST_NAME, METADATA_NAME, RecordInfo, encode_manifest, manifest_key
+from .format import RecordInfo, encode_manifest, manifest_key, manifest_name, metadata_name
 from .storage import Storage, _write_error
 
 logger = logging.getLogger(__name__)
@@ -20,10 +20,12 @@ logger = logging.getLogger(__name__)
 DCP_VERSION = "1.0.0"
 
 
-def uncommit(storage: Storage) -> bool:
-    """Remove an existing commit record before overwriting a checkpoint's data files."""
-    if storage.exists(METADATA_NAME):
-        storage.remove(METADATA_NAME)
+def uncommit(storage: Storage, commit_rank: int | None = None) -> bool:
+    """Remove an existing commit record (``.metadata``, or ``__{commit_rank}.metadata``) before
+    overwriting a checkpoint's data files."""
+    name = metadata_name(commit_rank)
+    if storage.exists(name):
+        storage.remove(name)
         return True
     return False
 
@@ -35,8 +37,10 @@ def commit(
     *,
     sync: bool,
     rank: int | None = None,
+    commit_rank: int | None = None,
 ) -> None:
-    """Write the manifest and then ``.metadata``. ``.metadata`` holds stock DCP types only."""
+    """Write the manifest and then ``.metadata`` (``__{commit_rank}.metadata`` and its manifest
+    for a save with ``use_collectives=False``). ``.metadata`` holds stock DCP types only."""
     storage_data: dict = {}
     entries: dict[str, RecordInfo] = {}
     for rank_results in results:
@@ -45,12 +49,13 @@ def commit(
             storage_data[wr.index] = _StorageInfo(info.relative_path, info.offset, info.length)
             entries[manifest_key(wr.index.fqn, wr.index.offset)] = info
     manifest = encode_manifest(entries, world_size=len(results), torch_version=torch.__version__)
-    _put(storage, MANIFEST_NAME, manifest, sync=sync, rank=rank)
+    _put(storage, manifest_name(commit_rank), manifest, sync=sync, rank=rank)
 
     metadata.version = DCP_VERSION
     metadata.storage_data = storage_data
-    _put(storage, METADATA_NAME, pickle.dumps(metadata), sync=sync, rank=rank)
-    logger.debug("committed %s (%d items)", storage.describe(METADATA_NAME), len(storage_data))
+    name = metadata_name(commit_rank)
+    _put(storage, name, pickle.dumps(metadata), sync=sync, rank=rank)
+    logger.debug("committed %s (%d items)", storage.describe(name), len(storage_data))
 
 
 def _put(storage: Storage, name: str, data: bytes, *, sync: bool, rank: int | None) -> None:
