@@ -304,3 +304,22 @@ def test_two_ranks(two_rank_reports: dict[str, Any], impl: str) -> None:
     stock_dir = two_rank_reports["stock"][1]
     with open(stock_dir / "sync" / ".metadata", "rb") as f:
         assert set(pickle.load(f).state_dict_metadata) == ours_items
+
+
+@pytest.mark.multiprocess
+def test_cli_checks_every_rank_commit_record(
+    two_rank_reports: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``use_collectives=False`` leaves ``__{rank}.metadata`` only: the CLI checks each."""
+    import json
+
+    from dcp_datastates.cli import EXIT_OK, main
+
+    path = str(two_rank_reports["ours"][1] / "nocoll")
+    assert main(["verify", "--quiet", path]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "(__0.metadata): OK" in out and "(__1.metadata): OK" in out
+    assert main(["inspect", "--json", "--rank", "1", path]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    assert report["commit_record"] == "__1.metadata"
+    assert {item["fqn"] for item in report["items"]} == {"w", "step", "note.rank", "buf"}
