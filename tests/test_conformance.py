@@ -351,3 +351,30 @@ def test_checkpointable_tensor_shards(impl: str, mode: str, tmp_path: Path) -> N
         target = shards(torch.zeros(5, 4))
         dcp.load({"t": target}, storage_reader=reader_for(reader, path))
         assert torch.equal(target[0:2], saved[0:2]) and torch.equal(target[3:5], saved[3:5])
+
+
+def test_staged_and_planned_dtype_must_match(tmp_path: Path) -> None:
+    """A tensor replaced by one of another dtype (same shape) between ``stage()`` and planning
+    is refused, naming both dtypes, instead of writing staged bytes under the planned dtype."""
+    import threading
+
+    writer = DataStatesWriter(tmp_path / "ckpt")
+    try:
+        writer.stage({"w": torch.ones(4, 4)})
+        errors: list[BaseException] = []
+
+        def save() -> None:  # DCP's save thread: it claims the snapshot staged above
+            try:
+                dcp.save({"w": torch.ones(4, 4, dtype=torch.float64)}, storage_writer=writer)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=save)
+        thread.start()
+        thread.join(timeout=30)
+        assert len(errors) == 1
+        message = str(errors[0])
+        assert "torch.float32" in message and "torch.float64" in message and "'w'" in message
+        assert not (tmp_path / "ckpt" / ".metadata").exists()
+    finally:
+        writer.close()
