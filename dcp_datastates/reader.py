@@ -299,7 +299,11 @@ class DataStatesReader(StorageReader):
                 f"({exc}); pass DataStatesReader(path, _extension_registry=...) with them "
                 "registered (torch's ZStandard needs the zstandard package)"
             ) from exc
-        return _transform_from(extensions, raw, where)
+        limit = None
+        if record.saved is not None:  # a tensor record: its data plus a small zip frame
+            dtype, sizes = record.saved
+            limit = torch.Size(sizes).numel() * dtype.itemsize + _FRAME_SLACK
+        return _transform_from(extensions, raw, where, limit)
 
     def _record(self, index: MetadataIndex) -> RecordInfo | None:
         if self.manifest is None:
@@ -325,18 +329,37 @@ class DataStatesReader(StorageReader):
             planner.load_bytes(req, io.BytesIO(blob))  # another planner: let it deserialize
 
 
-def _transform_from(extensions: Sequence[Any], raw: memoryview, where: str) -> bytes:
+#: Bytes a decoded tensor record may hold beyond its data (torch.save's zip entries and pickle).
+_FRAME_SLACK = 1 << 20
+
+
+def _transform_from(
+    extensions: Sequence[Any], raw: memoryview, where: str, limit: int | None
+) -> bytes:
+    """``raw`` through the extensions' ``transform_from``; at most ``limit`` bytes come out (a
+    record that decompresses to more is refused before it fills memory)."""
     stream: Any = io.BytesIO(raw)
     try:
         for ex in extensions:
             if isinstance(ex, StreamTransformExtension):
                 stream = ex.transform_from(stream)
-        return stream.read(-1)
+        if limit is None:
+            return stream.read(-1)
+        out = bytearray()
+        while len(out) <= limit:
+            block = stream.read(min(_FRAME_SLACK, limit + 1 - len(out)))
+            if not block:
+                return bytes(out)
+            out += block
     except Exception as exc:
         raise ChecksumMismatchError(
             f"{where}: its record does not decode through {[type(e).__name__ for e in extensions]}"
             f" ({type(exc).__name__}: {exc}); the checkpoint is damaged"
         ) from exc
+    raise ChecksumMismatchError(
+        f"{where}: its record decodes to more than {limit} bytes, more than the tensor it holds "
+        "needs; refusing to decode it further (the checkpoint is damaged or hostile)"
+    )
 
 
 def _set_loaded_object(planner: LoadPlanner, req: ReadItem, value: Any) -> bool:

@@ -378,3 +378,29 @@ def test_staged_and_planned_dtype_must_match(tmp_path: Path) -> None:
         assert not (tmp_path / "ckpt" / ".metadata").exists()
     finally:
         writer.close()
+
+
+def test_compressed_record_that_decodes_too_big_is_refused(tmp_path: Path) -> None:
+    """A zstd record that expands far beyond the tensor it claims (a decompression bomb) is
+    refused once it passes the tensor's size, before it fills memory."""
+    zstandard = pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    from dcp_datastates import ChecksumMismatchError
+
+    path = tmp_path / "ckpt"
+    dcp.save(
+        {"t": torch.ones(16)}, storage_writer=dcp.FileSystemWriter(path, _extensions=[ZStandard()])
+    )
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    (index, info) = next(iter(metadata.storage_data.items()))
+    bomb = zstandard.ZstdCompressor().compress(bytes(16 << 20))
+    with open(path / info.relative_path, "ab") as f:
+        offset = f.seek(0, io.SEEK_END)
+        f.write(bomb)
+    info.offset, info.length = offset, len(bomb)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(BaseException, match="decodes to more than") as caught:
+        dcp.load({"t": torch.zeros(16)}, storage_reader=DataStatesReader(path))
+    assert f"item {index.fqn!r}" in str(caught.value)
