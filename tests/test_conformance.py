@@ -386,8 +386,6 @@ def test_compressed_record_that_decodes_too_big_is_refused(tmp_path: Path) -> No
     zstandard = pytest.importorskip("zstandard")
     from torch.distributed.checkpoint._extension import ZStandard
 
-    from dcp_datastates import ChecksumMismatchError
-
     path = tmp_path / "ckpt"
     dcp.save(
         {"t": torch.ones(16)}, storage_writer=dcp.FileSystemWriter(path, _extensions=[ZStandard()])
