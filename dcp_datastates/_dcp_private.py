@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed.checkpoint.state_dict_saver as _saver
+from torch.distributed.checkpoint._extension import (  # noqa: F401 - re-exported
+    ExtensionRegistry,
+    StreamTransformExtension,
+)
 from torch.distributed.checkpoint._traverse import set_element  # noqa: F401 - re-exported
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -32,8 +36,15 @@ PRIVATE_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         (_StorageInfo.__module__, _StorageInfo.__qualname__),
         # TensorProperties pickles its memory format as this enum's value.
         ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        # Checkpoints of older torch (and of ShardedTensors) hold the legacy _shard types.
+        ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+        ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
     }
 )
+
+# ExtensionRegistry / StreamTransformExtension (re-exported): stock stream transforms
+# (``FileSystemWriter(_extensions=[ZStandard()])``); the reader decodes records that name them
+# in ``_StorageInfo.transform_descriptors`` through the registry, as ``FileSystemReader`` does.
 
 
 def no_synchronize_after_execute(cls: type) -> type:
@@ -60,6 +71,7 @@ class AsyncSaveCall:
     checkpoint_id: Any = None
     storage_writer: Any = None
     async_stager: Any = None
+    planner: Any = None  # the SavePlanner given to dcp.async_save (None: DCP's default)
 
 
 NOT_FOUND = AsyncSaveCall(found=False)
@@ -115,6 +127,7 @@ def async_save_call(depth: int = 1) -> AsyncSaveCall:
                 checkpoint_id=local.get("checkpoint_id"),
                 storage_writer=local.get("storage_writer"),
                 async_stager=local.get("async_stager"),
+                planner=local.get("planner"),
             )
         frame = frame.f_back
     return NOT_FOUND
@@ -143,6 +156,8 @@ __all__ = [
     "NOT_FOUND",
     "PRIVATE_METADATA_GLOBALS",
     "AsyncSaveCall",
+    "ExtensionRegistry",
+    "StreamTransformExtension",
     "StorageInfo",
     "async_save_call",
     "no_synchronize_after_execute",

@@ -3,6 +3,9 @@
     dcp-datastates inspect PATH [--json]   items, files per rank, format version, commit state
     dcp-datastates verify PATH             check every record's crc32c against the manifest
 
+A checkpoint saved with ``use_collectives=False`` has one commit record per rank
+(``__{rank}.metadata``): both commands go through each (``--rank R`` picks one).
+
 Exit codes: 0 fine; 1 damaged (checksum mismatch, truncated or missing file) or refused by the
 safe-load checks; 2 not committed (no ``.metadata``); 3 (``verify`` only) nothing to verify: a
 stock DCP checkpoint has no manifest, so no checksums.
@@ -27,11 +30,12 @@ from .errors import ChecksumMismatchError, DataStatesError
 from .format import (
     DATA_SUFFIX,
     FORMAT_VERSION,
-    MANIFEST_NAME,
     METADATA_NAME,
     RecordInfo,
     decode_manifest,
     manifest_key,
+    manifest_name,
+    metadata_name,
 )
 from .reader import DataStatesReader
 from .safety import check_relative_path, file_size, load_metadata
@@ -40,24 +44,48 @@ from .storage import FsspecStorage, LocalStorage, storage_for
 EXIT_OK, EXIT_DAMAGED, EXIT_NOT_COMMITTED, EXIT_NOTHING_TO_VERIFY = 0, 1, 2, 3
 _CHUNK = 4 << 20
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)" + re.escape(DATA_SUFFIX) + "$")
+_RANK_METADATA = re.compile(r"^__(\d+)" + re.escape(METADATA_NAME) + "$")
+#: When several commit records are checked, the exit code of the worst one.
+_WORST_FIRST = (EXIT_DAMAGED, EXIT_NOT_COMMITTED, EXIT_NOTHING_TO_VERIFY, EXIT_OK)
 
 
-def _not_committed(path: str, storage: LocalStorage | FsspecStorage, as_json: bool) -> int:
+def _commit_ranks(storage: LocalStorage | FsspecStorage, rank: int | None) -> list[int | None]:
+    """The commit records to look at: ``--rank``'s, else ``.metadata``, else every rank's."""
+    if rank is not None:
+        return [rank]
+    if storage.exists(METADATA_NAME):
+        return [None]
+    found = (_RANK_METADATA.match(n) for n in storage.list_names())
+    return sorted(int(m.group(1)) for m in found if m) or [None]
+
+
+def _each_commit(handler: Any, args: argparse.Namespace) -> int:
+    storage = storage_for(args.path)
+    codes = [handler(args, storage, r) for r in _commit_ranks(storage, args.rank)]
+    return next(c for c in _WORST_FIRST if c in codes)
+
+
+def _not_committed(
+    path: str, storage: LocalStorage | FsspecStorage, as_json: bool, rank: int | None = None
+) -> int:
     files = [n for n in storage.list_names() if n.endswith(DATA_SUFFIX)]
     if as_json:
         print(json.dumps({"path": path, "committed": False, "data_files": files}, indent=1))
     else:
-        print(f"{path}: NOT COMMITTED (no {METADATA_NAME}; {len(files)} data file(s))")
+        print(f"{path}: NOT COMMITTED (no {metadata_name(rank)}; {len(files)} data file(s))")
         print("The save that wrote it did not finish; do not load it.")
     return EXIT_NOT_COMMITTED
 
 
-def _read_manifest(storage: LocalStorage | FsspecStorage) -> tuple[dict[str, Any] | None, dict]:
-    if not storage.exists(MANIFEST_NAME):
+def _read_manifest(
+    storage: LocalStorage | FsspecStorage, rank: int | None = None
+) -> tuple[dict[str, Any] | None, dict]:
+    name = manifest_name(rank)
+    if not storage.exists(name):
         return None, {}
-    with storage.open_read(MANIFEST_NAME) as f:
+    with storage.open_read(name) as f:
         blob = f.read()
-    manifest = decode_manifest(blob, storage.describe(MANIFEST_NAME))  # checks it first
+    manifest = decode_manifest(blob, storage.describe(name))  # checks it first
     return json.loads(blob), manifest
 
 
@@ -132,18 +160,21 @@ def _print_report(report: dict[str, Any], out: TextIO) -> None:
         )
 
 
-def _inspect(args: argparse.Namespace) -> int:
-    storage = storage_for(args.path)
-    if not storage.exists(METADATA_NAME):
-        return _not_committed(args.path, storage, args.json)
+def _inspect(
+    args: argparse.Namespace, storage: LocalStorage | FsspecStorage, rank: int | None
+) -> int:
+    if not storage.exists(metadata_name(rank)):
+        return _not_committed(args.path, storage, args.json, rank)
     try:
         reader = DataStatesReader(args.path, trusted=args.trusted)
-        metadata = reader.read_metadata()
-        head, _ = _read_manifest(storage)
+        metadata = reader.read_metadata() if rank is None else reader.read_metadata(rank=rank)
+        head, _ = _read_manifest(storage, rank)
     except (DataStatesError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_DAMAGED
     report = _describe(args.path, metadata, reader.manifest or {}, head)
+    if rank is not None:
+        report["commit_record"] = metadata_name(rank)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -166,20 +197,18 @@ def _verify_record(f: Any, info: RecordInfo, progress: tqdm) -> tuple[int, int]:
     return crc, got
 
 
-def _verify(args: argparse.Namespace) -> int:
-    storage = storage_for(args.path)
-    if not storage.exists(METADATA_NAME):
-        return _not_committed(args.path, storage, False)
+def _verify(
+    args: argparse.Namespace, storage: LocalStorage | FsspecStorage, rank: int | None
+) -> int:
+    meta = metadata_name(rank)
+    if not storage.exists(meta):
+        return _not_committed(args.path, storage, False, rank)
     try:
         # .metadata is read (safely) only to cross-check items; the records come from the
         # manifest, and truncation is reported per record rather than refused up front.
-        with storage.open_read(METADATA_NAME) as f:
-            metadata = (
-                pickle.load(f)
-                if args.trusted
-                else load_metadata(f, storage.describe(METADATA_NAME))
-            )
-        head, manifest = _read_manifest(storage)
+        with storage.open_read(meta) as f:
+            metadata = pickle.load(f) if args.trusted else load_metadata(f, storage.describe(meta))
+        head, manifest = _read_manifest(storage, rank)
         for info in manifest.values():
             if not args.trusted:
                 check_relative_path(storage, info.relative_path)
@@ -187,7 +216,10 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_DAMAGED
     if head is None:
-        print(f"{args.path}: no {MANIFEST_NAME} (a stock DCP checkpoint): no checksums to verify")
+        print(
+            f"{args.path}: no {manifest_name(rank)} (a stock DCP checkpoint): no checksums to "
+            "verify"
+        )
         return EXIT_NOTHING_TO_VERIFY
 
     failures: list[tuple[str, str, str]] = []  # (file, item, what)
@@ -226,12 +258,16 @@ def _verify(args: argparse.Namespace) -> int:
                     )
     progress.close()
     if failures:
-        print(f"{args.path}: DAMAGED: {len(failures)} of {len(manifest)} record(s) fail")
+        print(f"{args.path}{_of(rank)}: DAMAGED: {len(failures)} of {len(manifest)} record(s) fail")
         for name, key, what in failures:
             print(f"  {name}  {key}  {what}")
         return EXIT_DAMAGED
-    print(f"{args.path}: OK: {len(manifest)} record(s) in {len(per_file)} file(s) match")
+    print(f"{args.path}{_of(rank)}: OK: {len(manifest)} record(s) in {len(per_file)} file(s) match")
     return EXIT_OK
+
+
+def _of(rank: int | None) -> str:
+    return "" if rank is None else f" ({metadata_name(rank)})"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -252,6 +288,13 @@ def _parser() -> argparse.ArgumentParser:
             action="store_true",
             help="unpickle .metadata with plain pickle (only for checkpoints you trust)",
         )
+        cmd.add_argument(
+            "--rank",
+            type=int,
+            default=None,
+            help="only this rank's commit record __RANK.metadata (a save with "
+            "use_collectives=False); by default .metadata, else every rank's",
+        )
         if name == "inspect":
             cmd.add_argument("--json", action="store_true", help="print JSON instead of text")
         else:
@@ -263,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = _inspect if args.command == "inspect" else _verify
     try:
-        return handler(args)
+        return _each_commit(handler, args)
     except ChecksumMismatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_DAMAGED

@@ -21,11 +21,11 @@ from ._dcp_private import StorageInfo
 from .errors import DataStatesError
 from .format import (
     DATA_SUFFIX,
-    MANIFEST_NAME,
-    METADATA_NAME,
     RecordInfo,
     encode_manifest,
     manifest_key,
+    manifest_name,
+    metadata_name,
 )
 from .storage import Storage, _write_error
 
@@ -35,34 +35,42 @@ logger = logging.getLogger(__name__)
 DCP_VERSION = "1.0.0"
 
 
-#: Files a save of ours (or of stock DCP) writes into a checkpoint directory, besides the commit
-#: record: data files, the manifest, and the temporary files of an interrupted commit.
-_OURS = re.compile(
-    r"^(__\d+_\d+"
-    + re.escape(DATA_SUFFIX)
-    + "|"
-    + "|".join(re.escape(n) + "(\\.tmp)?" for n in (MANIFEST_NAME, METADATA_NAME))
-    + ")$"
-)
+def _ours(commit_rank: int | None) -> re.Pattern[str]:
+    """Files a save of ours (or of stock DCP) writes into a checkpoint directory, besides the
+    commit record: data files, the manifest, and the temporary files of an interrupted commit.
+    A rank that commits alone (``use_collectives=False``) owns only its own prefix."""
+    data = r"__\d+_\d+" if commit_rank is None else rf"__{commit_rank}_\d+"
+    names = (manifest_name(commit_rank), metadata_name(commit_rank))
+    return re.compile(
+        "^("
+        + data
+        + re.escape(DATA_SUFFIX)
+        + "|"
+        + "|".join(re.escape(n) + "(\\.tmp)?" for n in names)
+        + ")$"
+    )
 
 
-def uncommit(storage: Storage, *, sync: bool = True) -> bool:
-    """Remove an existing commit record before overwriting a checkpoint's data files, durably:
-    after a power loss the directory must not come back committed over half-new data."""
-    if storage.exists(METADATA_NAME):
-        storage.remove(METADATA_NAME)
+def uncommit(storage: Storage, commit_rank: int | None = None, *, sync: bool = True) -> bool:
+    """Remove an existing commit record (``.metadata``, or ``__{commit_rank}.metadata``) before
+    overwriting a checkpoint's data files, durably: after a power loss the directory must not
+    come back committed over half-new data."""
+    name = metadata_name(commit_rank)
+    if storage.exists(name):
+        storage.remove(name)
         if sync:
             storage.sync_dirs()
         return True
     return False
 
 
-def remove_stale(storage: Storage, keep: set[str]) -> list[str]:
+def remove_stale(storage: Storage, keep: set[str], commit_rank: int | None = None) -> list[str]:
     """Remove files of an earlier save that this save did not write (data files of a save by
     more ranks or more flush workers, a manifest or temporary file of an interrupted commit), so
     that the committed directory holds exactly what its ``.metadata`` names. Runs on the
     coordinator before the commit, when no ``.metadata`` exists; other files are left alone."""
-    stale = [n for n in storage.list_names() if _OURS.match(n) and n not in keep]
+    ours = _ours(commit_rank)
+    stale = [n for n in storage.list_names() if ours.match(n) and n not in keep]
     for name in stale:
         storage.remove(name)
     if stale:
@@ -77,8 +85,10 @@ def commit(
     *,
     sync: bool,
     rank: int | None = None,
+    commit_rank: int | None = None,
 ) -> None:
-    """Write the manifest and then ``.metadata``. ``.metadata`` holds stock DCP types only."""
+    """Write the manifest and then ``.metadata`` (``__{commit_rank}.metadata`` and its manifest
+    for a save with ``use_collectives=False``). ``.metadata`` holds stock DCP types only."""
     storage_data: dict = {}
     entries: dict[str, RecordInfo] = {}
     for rank_results in results:
@@ -88,15 +98,17 @@ def commit(
             entries[manifest_key(wr.index.fqn, wr.index.offset)] = info
     manifest = encode_manifest(entries, world_size=len(results), torch_version=torch.__version__)
     written = {info.relative_path for info in entries.values()}
-    remove_stale(storage, keep=written | {MANIFEST_NAME, METADATA_NAME})  # those two: replaced
+    manifest_file, metadata_file = manifest_name(commit_rank), metadata_name(commit_rank)
+    # The manifest and the commit record are replaced, not removed.
+    remove_stale(storage, keep=written | {manifest_file, metadata_file}, commit_rank=commit_rank)
     if sync:  # the data files' names, the removals, and a directory this save made
         _sync_dirs(storage, rank)
-    _put(storage, MANIFEST_NAME, manifest, sync=sync, rank=rank)
+    _put(storage, manifest_file, manifest, sync=sync, rank=rank)
 
     metadata.version = DCP_VERSION
     metadata.storage_data = storage_data
-    _put(storage, METADATA_NAME, pickle.dumps(metadata), sync=sync, rank=rank)
-    logger.debug("committed %s (%d items)", storage.describe(METADATA_NAME), len(storage_data))
+    _put(storage, metadata_file, pickle.dumps(metadata), sync=sync, rank=rank)
+    logger.debug("committed %s (%d items)", storage.describe(metadata_file), len(storage_data))
 
 
 def _put(storage: Storage, name: str, data: bytes, *, sync: bool, rank: int | None) -> None:

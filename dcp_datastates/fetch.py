@@ -14,6 +14,8 @@ last region lands, over head, data and tail in order.
 
 Records of stock ``FileSystemWriter`` checkpoints carry no manifest entry: their data is found
 with :func:`~dcp_datastates.locate.locate_tensor`, and read the same way, without a checksum.
+A stock record written through stream transforms (compression) is read whole, decoded by the
+reader's ``decode`` and then handled as any record held in memory.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Record:
     info: RecordInfo | None  # manifest entry; None for a stock record
     reqs: list[ReadItem] = field(default_factory=list)
     saved: tuple[torch.dtype, torch.Size] | None = None  # None for an object item
+    transforms: tuple[str, ...] = ()  # stock stream-transform descriptors (compression)
 
     @property
     def is_bytes(self) -> bool:
@@ -128,8 +131,10 @@ class Fetch:
         records: list[Record],
         targets: dict[ReadItem, torch.Tensor],
         options: FetchOptions,
+        decode: Callable[[Record, memoryview], bytes] | None = None,
     ) -> None:
         self.storage = storage
+        self.decode = decode
         self.records = records
         self.targets = targets
         self.options = options
@@ -207,6 +212,10 @@ class Fetch:
             self._check(record, crc32c(mv) if self.options.verify else 0, mv.nbytes)
         elif mv.nbytes != record.length:
             raise self._truncated(record)
+        if record.transforms:
+            if self.decode is None:
+                raise ValueError(f"{self._item(record)} is transformed and no decoder was given")
+            mv = memoryview(bytearray(self.decode(record, mv)))  # writable: torch.frombuffer
         if record.is_bytes:
             blob = bytes(mv)
             for req in record.reqs:
@@ -219,7 +228,7 @@ class Fetch:
             self._deliver(record, self._saved_view(record, data))
             return
         try:
-            layout = self._locate(record, _memory_reader(mv))
+            layout = self._locate(record, _memory_reader(mv), mv.nbytes)
         except NotLocatable:
             self._deliver(record, self._load_whole(record, mv))
             return
@@ -228,13 +237,13 @@ class Fetch:
 
     # -- big records: regions read in parallel, straight into the target ----------------------
     def _start_record(self, record: Record, runner: _Runner) -> None:
-        if record.is_bytes:
+        if record.is_bytes or record.transforms:
             self._read_span([record])
             return
         layout: StockLayout | None = None
         if record.info is None:
             try:
-                layout = self._locate(record, self._file_reader(record))
+                layout = self._locate(record, self._file_reader(record), record.length)
             except NotLocatable:
                 self._read_span([record])  # _from_memory falls back to torch.load
                 return
@@ -289,10 +298,12 @@ class Fetch:
         for at, bufs in regions:
             runner.submit(_bind(read_region, at, bufs), urgent=True)
 
-    def _locate(self, record: Record, read_at: Callable[[int, int], bytes]) -> StockLayout:
+    def _locate(
+        self, record: Record, read_at: Callable[[int, int], bytes], length: int
+    ) -> StockLayout:
         assert record.saved is not None
         dtype, sizes = record.saved
-        return locate_stock_tensor(read_at, record.length, dtype, tuple(sizes), self._item(record))
+        return locate_stock_tensor(read_at, length, dtype, tuple(sizes), self._item(record))
 
     def _direct_target(self, record: Record, layout: StockLayout | None) -> torch.Tensor | None:
         """The target itself when the record's data is exactly its bytes; else None."""

@@ -204,3 +204,14 @@ def data_start(head: bytes) -> int | None:
     if method != 0 or not _DATA_ENTRY.search(name):
         return None
     return at + _LOCAL_HEADER.size + name_len + extra_len
+
+
+def metadata_name(rank: int | None = None) -> str:
+    """``.metadata``, or ``__{rank}.metadata`` for a save with ``use_collectives=False`` (each
+    rank commits its own, as stock ``FileSystemWriter`` does)."""
+    return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+
+
+def manifest_name(rank: int | None = None) -> str:
+    """The manifest that goes with :func:`metadata_name` of the same ``rank``."""
+    return MANIFEST_NAME if rank is None else f"__{rank}{MANIFEST_NAME}"

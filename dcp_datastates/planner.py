@@ -33,8 +33,8 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         """``resolve_data`` for a plain tensor, without DCP's per-item DTensor/ShardedTensor
         probing (most of ``stage()``'s time with thousands of tensors)."""
         value = self.state_dict.get(item.index.fqn)
-        if type(value) not in _PLAIN_TENSORS:
-            return None
+        if type(value) not in _PLAIN_TENSORS or hasattr(value, "global_offsets"):
+            return None  # (torch 2.14's CheckpointableTensor: its shards are slices of it)
         offset = item.index.offset
         if offset is not None and (len(offset) != value.dim() or any(offset)):
             return None  # let DCP raise its error

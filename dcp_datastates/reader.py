@@ -8,7 +8,14 @@ way, with their data located by :mod:`dcp_datastates.locate`, and without checks
 
 Loads are safe by default (see :mod:`dcp_datastates.safety`): ``.metadata`` unpickles only DCP
 metadata types, file names must stay inside the checkpoint directory, records inside their files,
-and object items must pass ``torch.load(weights_only=True)``. ``trusted=True`` lifts all of this."""
+and object items must pass ``torch.load(weights_only=True)`` (``io.BytesIO`` values allowed: they
+are bytes). ``trusted=True`` lifts all of this.
+
+The constructor takes stock ``FileSystemReader``'s arguments, ``path`` and
+``_extension_registry``, by name and position: records that stock ``FileSystemWriter`` wrote
+through stream transforms (``_extensions=[ZStandard()]``) are decoded through that registry, as
+stock does. ``read_metadata(rank=R)`` reads ``__R.metadata`` (a save with
+``use_collectives=False``), which ``dcp.load`` asks for when ``.metadata`` is missing."""
 
 from __future__ import annotations
 
@@ -16,6 +23,8 @@ import io
 import logging
 import os
 import pickle
+import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,16 +33,17 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ._dcp_private import set_element
+from ._dcp_private import ExtensionRegistry, StreamTransformExtension, set_element
 from .errors import CheckpointNotCommittedError, ChecksumMismatchError
 from .fetch import Fetch, FetchOptions, Record
 from .format import (
     DATA_SUFFIX,
-    MANIFEST_NAME,
     METADATA_NAME,
     RecordInfo,
     decode_manifest,
     manifest_key,
+    manifest_name,
+    metadata_name,
 )
 from .safety import check_extents, check_object_record, check_relative_path, load_metadata
 from .storage import storage_for
@@ -46,6 +56,9 @@ class DataStatesReader(StorageReader):
 
     Args:
         path: Checkpoint directory (local path or fsspec URL).
+        _extension_registry: As stock ``FileSystemReader``'s: the stream transforms
+            (compression) that records may name in their ``transform_descriptors``. The default
+            knows torch's own (``ZStandard``, which needs the ``zstandard`` package).
         verify: Check every record's crc32c while reading (default). A mismatch raises
             :class:`~dcp_datastates.ChecksumMismatchError` naming the file and item.
         io_workers: Reads in flight at once (big records are split into regions read in
@@ -59,6 +72,7 @@ class DataStatesReader(StorageReader):
     def __init__(
         self,
         path: str | os.PathLike,
+        _extension_registry: ExtensionRegistry | None = None,
         *,
         verify: bool = True,
         io_workers: int = 4,
@@ -72,6 +86,11 @@ class DataStatesReader(StorageReader):
         self.io_workers = io_workers
         self.fetch_options = FetchOptions(verify=verify, io_workers=io_workers)
         self.trusted = trusted
+        self.extension_registry = (
+            ExtensionRegistry() if _extension_registry is None else _extension_registry
+        )
+        self.rank: int | None = None  # set by read_metadata(rank=) / set_up_storage_reader
+        self.use_collectives = True
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -79,6 +98,8 @@ class DataStatesReader(StorageReader):
         self.metadata: Metadata | None = None
         self.manifest: dict[str, RecordInfo] | None = None
         self._checked: Metadata | None = None
+        self._metadata_rank: int | None = None  # whose __{rank}.metadata was read; None: global
+        self.load_id = str(uuid.uuid4())  # a new one per load, as stock FileSystemReader
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -94,15 +115,23 @@ class DataStatesReader(StorageReader):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if not self.storage.exists(METADATA_NAME):
-            raise self._not_committed()
-        with self.storage.open_read(METADATA_NAME) as f:
+        """``.metadata``; with ``rank=R``, ``__R.metadata`` (written by a save with
+        ``use_collectives=False``; ``dcp.load`` asks for it when ``.metadata`` is missing)."""
+        rank = kwargs.get("rank")
+        name = metadata_name(rank)
+        if not self.storage.exists(name):
+            raise self._not_committed(name)
+        with self.storage.open_read(name) as f:
             if self.trusted:
                 metadata: Metadata = pickle.load(f)
             else:
-                metadata = load_metadata(f, self.storage.describe(METADATA_NAME))
+                metadata = load_metadata(f, self.storage.describe(name))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        if self._metadata_rank != rank:
+            self.manifest = None  # a manifest of another commit record
+        self._metadata_rank = rank
         self.metadata = metadata
         self._prepare()
         return metadata
@@ -119,13 +148,14 @@ class DataStatesReader(StorageReader):
     def _load_manifest(self) -> None:
         if self.manifest is not None:
             return
-        if not self.storage.exists(MANIFEST_NAME):
+        name = manifest_name(self._metadata_rank)
+        if not self.storage.exists(name):
             logger.info("%s has no manifest (stock DCP): nothing to verify", self.path)
             return
-        with self.storage.open_read(MANIFEST_NAME) as f:
+        with self.storage.open_read(name) as f:
             blob = f.read()
         try:
-            self.manifest = decode_manifest(blob, self.storage.describe(MANIFEST_NAME))
+            self.manifest = decode_manifest(blob, self.storage.describe(name))
         except ChecksumMismatchError as exc:
             if self.verify:
                 raise
@@ -136,19 +166,20 @@ class DataStatesReader(StorageReader):
         manifest lost would otherwise load unverified."""
         if self.metadata is None or self.manifest is None:
             return
-        where = self.storage.describe(MANIFEST_NAME)
+        where = self.storage.describe(manifest_name(self._metadata_rank))
+        meta = metadata_name(self._metadata_rank)
         for index, sinfo in self.metadata.storage_data.items():
             key = manifest_key(index.fqn, index.offset)
             info = self.manifest.get(key)
             if info is None:
                 raise ChecksumMismatchError(
-                    f"{where} has no entry for item {key!r}, which {METADATA_NAME} lists; the "
+                    f"{where} has no entry for item {key!r}, which {meta} lists; the "
                     "checkpoint is damaged"
                 )
             placed = (info.relative_path, info.offset, info.length)
             if placed != (sinfo.relative_path, sinfo.offset, sinfo.length):
                 raise ChecksumMismatchError(
-                    f"{where} places item {key!r} at {placed}, but {METADATA_NAME} at "
+                    f"{where} places item {key!r} at {placed}, but {meta} at "
                     f"{(sinfo.relative_path, sinfo.offset, sinfo.length)}; the checkpoint is "
                     "damaged"
                 )
@@ -181,17 +212,27 @@ class DataStatesReader(StorageReader):
                 checked.add(name)
         check_extents(self.storage, records)
 
-    def _not_committed(self) -> CheckpointNotCommittedError:
-        found = [n for n in self.storage.list_names() if n.endswith(DATA_SUFFIX)]
+    def _not_committed(self, name: str) -> CheckpointNotCommittedError:
+        names = self.storage.list_names()
+        found = [n for n in names if n.endswith(DATA_SUFFIX)]
+        per_rank = sorted(n for n in names if n.startswith("__") and n.endswith(METADATA_NAME))
+        hint = (
+            f"; it has per-rank commit records ({', '.join(per_rank[:4])}) of a save with "
+            "use_collectives=False, which dcp.load reads by itself (read_metadata(rank=R))"
+            if per_rank and name == METADATA_NAME
+            else ". The save that wrote it did not finish; load an earlier checkpoint"
+        )
         return CheckpointNotCommittedError(
-            f"{self.path} is not a committed checkpoint: it has no {METADATA_NAME} "
-            f"({len(found)} data file(s) found). The save that wrote it did not finish; load an "
-            "earlier checkpoint"
+            f"{self.path} is not a committed checkpoint: it has no {name} "
+            f"({len(found)} data file(s) found){hint}"
         )
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        # DCP passes rank= and use_collectives= to a method with a parameter named "kwargs".
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
         self.metadata = metadata
         self._prepare()
 
@@ -226,6 +267,7 @@ class DataStatesReader(StorageReader):
                     offset=info.offset if info else sinfo.offset,
                     length=info.length if info else sinfo.length,
                     info=info,
+                    transforms=tuple(getattr(sinfo, "transform_descriptors", None) or ()),
                     saved=None
                     if req.type == LoadItemType.BYTE_IO
                     else self._saved_chunk(req.storage_index),
@@ -235,13 +277,33 @@ class DataStatesReader(StorageReader):
             if req.type != LoadItemType.BYTE_IO:
                 # Resolved here, on DCP's thread: planners need not be thread-safe.
                 targets[req] = planner.resolve_tensor(req).detach()
-        fetch = Fetch(self.storage, list(records.values()), targets, self.fetch_options)
+        fetch = Fetch(
+            self.storage, list(records.values()), targets, self.fetch_options, self._decode
+        )
         fetch.run()
         for req, target in targets.items():
             planner.commit_tensor(req, target)
         for req, blob in fetch.blobs.items():
             name = self.metadata.storage_data[req.storage_index].relative_path
             self._load_bytes(name, req, blob, planner)
+
+    def _decode(self, record: Record, raw: memoryview) -> bytes:
+        """A record that stock ``FileSystemWriter`` wrote through stream transforms
+        (``_extensions``), decoded as stock ``FileSystemReader`` does."""
+        where = f"{self.storage.describe(record.name)}: item {record.fqn!r}"
+        try:
+            extensions = self.extension_registry.from_descriptor_list(record.transforms)
+        except Exception as exc:
+            raise ValueError(
+                f"{where} was written through the stream transforms {list(record.transforms)} "
+                f"({exc}); pass DataStatesReader(path, _extension_registry=...) with them "
+                "registered (torch's ZStandard needs the zstandard package)"
+            ) from exc
+        limit = None
+        if record.saved is not None:  # a tensor record: its data plus a small zip frame
+            dtype, sizes = record.saved
+            limit = torch.Size(sizes).numel() * dtype.itemsize + _FRAME_SLACK
+        return _transform_from(extensions, raw, where, limit)
 
     def _record(self, index: MetadataIndex) -> RecordInfo | None:
         if self.manifest is None:
@@ -265,6 +327,39 @@ class DataStatesReader(StorageReader):
         value = check_object_record(blob, self.storage.describe(name), req.storage_index.fqn)
         if not _set_loaded_object(planner, req, value):
             planner.load_bytes(req, io.BytesIO(blob))  # another planner: let it deserialize
+
+
+#: Bytes a decoded tensor record may hold beyond its data (torch.save's zip entries and pickle).
+_FRAME_SLACK = 1 << 20
+
+
+def _transform_from(
+    extensions: Sequence[Any], raw: memoryview, where: str, limit: int | None
+) -> bytes:
+    """``raw`` through the extensions' ``transform_from``; at most ``limit`` bytes come out (a
+    record that decompresses to more is refused before it fills memory)."""
+    stream: Any = io.BytesIO(raw)
+    try:
+        for ex in extensions:
+            if isinstance(ex, StreamTransformExtension):
+                stream = ex.transform_from(stream)
+        if limit is None:
+            return stream.read(-1)
+        out = bytearray()
+        while len(out) <= limit:
+            block = stream.read(min(_FRAME_SLACK, limit + 1 - len(out)))
+            if not block:
+                return bytes(out)
+            out += block
+    except Exception as exc:
+        raise ChecksumMismatchError(
+            f"{where}: its record does not decode through {[type(e).__name__ for e in extensions]}"
+            f" ({type(exc).__name__}: {exc}); the checkpoint is damaged"
+        ) from exc
+    raise ChecksumMismatchError(
+        f"{where}: its record decodes to more than {limit} bytes, more than the tensor it holds "
+        "needs; refusing to decode it further (the checkpoint is damaged or hostile)"
+    )
 
 
 def _set_loaded_object(planner: LoadPlanner, req: ReadItem, value: Any) -> bool:

@@ -6,6 +6,9 @@ unpickling ``.metadata`` written by ``DataStatesWriter`` and by stock ``FileSyst
 tensors of many dtypes and memory formats, DTensor chunks and object items). File names from
 ``.metadata`` and the manifest must stay inside the checkpoint directory, and every record must
 lie inside its file.
+
+Object items load with ``torch.load(weights_only=True)``, which also allows ``io.BytesIO``: DCP
+saves a ``BytesIO`` value of a state dict that way, and rebuilding one only copies bytes.
 """
 
 from __future__ import annotations
@@ -151,7 +154,8 @@ def check_object_record(blob: bytes, where: str, fqn: str) -> Any:
     that it rejects: DCP's planner loads object items with ``weights_only=False``, which would
     run the pickle's globals."""
     try:
-        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals([io.BytesIO]):
+            return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except Exception as exc:
         lines = str(exc).splitlines() or [type(exc).__name__]
         # torch's message is long; the line naming the refused global is the useful one.

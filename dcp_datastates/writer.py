@@ -41,6 +41,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -53,9 +54,9 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import _dcp_private
 from . import commit as _commit
+from .compat import lazy_staging_planner, stock_stage, writer_options
 from .errors import InvalidStateDictError, portable
-from .format import METADATA_NAME
-from .options import WriterOptions
+from .format import metadata_name
 from .planner import plan_providers, provider_from_any_planner
 from .process_staging import daemon_runtime, stage_for_process
 from .snapshot import guard as _guard
@@ -93,12 +94,19 @@ class _Save:
         self.path = path
         self.rank = _current_rank()
         self.is_coordinator = True
+        self.use_collectives = True
+        self.save_id = str(uuid.uuid4())  # StorageMeta.save_id, as stock writers make one
         self.session: SnapshotSession | None = None
         self.stats: SaveStats | None = None
         self.started = time.monotonic()
         self.synchronous = False  # a plain dcp.save: no stage(), the caller waits throughout
         self.guard_wait_start = _guard.waited_seconds
         self.done = False  # this rank will make no more writer calls for this save
+
+    @property
+    def commit_rank(self) -> int | None:
+        """Whose commit record this save writes: None for ``.metadata``, else the rank's own."""
+        return None if self.use_collectives else self.rank
 
     @functools.cached_property
     def storage(self) -> Storage:
@@ -109,9 +117,18 @@ class _Save:
 class DataStatesWriter(StorageWriter, AsyncStager):
     """A DCP storage writer with a lazy snapshot and a streaming flush.
 
+    Takes every argument of stock ``FileSystemWriter``, by name and in the same positions (see
+    :mod:`dcp_datastates.compat` and the README's table); our own options are keyword-only.
+
     Args:
         path: Checkpoint directory: a local path or any fsspec URL. ``checkpoint_id`` passed to a
             DCP call overrides it for that save.
+        single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict: Accepted for
+            compatibility, without effect.
+        sync_files, overwrite: As stock (and :class:`~dcp_datastates.WriterOptions`).
+        thread_count: Files written in parallel per rank (``flush_workers``).
+        _extensions: Must be empty: stream transforms (compression) are refused.
+        serialization_format: ``TORCH_SAVE`` only.
         **options: Keyword-only fields of :class:`~dcp_datastates.WriterOptions`
             (``host_pool_bytes``, ``flush_workers``, ``guard_optimizer_step``, ...).
 
@@ -119,10 +136,33 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         last_stats: :class:`~dcp_datastates.SaveStats` of the most recent save on this rank.
     """
 
-    def __init__(self, path: str | os.PathLike, **options: Any) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int | None = None,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = None,
+        **options: Any,
+    ) -> None:
         super().__init__()
         self.path = os.fspath(path)
-        self.options = WriterOptions(**options)
+        self.options = writer_options(
+            single_file_per_rank=single_file_per_rank,
+            sync_files=sync_files,
+            thread_count=thread_count,
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            cache_staged_state_dict=cache_staged_state_dict,
+            overwrite=overwrite,
+            _extensions=_extensions,
+            serialization_format=serialization_format,
+            options=options,
+        )
+        self.save_id: str | None = None  # the latest save's StorageMeta.save_id
         self.last_stats: SaveStats | None = None
         self._init_runtime_state()
 
@@ -134,7 +174,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     # The PROCESS executor pickles the writer into a daemon: ship options, not threads or memory.
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "options": self.options, "last_stats": None}
+        return {"path": self.path, "options": self.options, "last_stats": None, "save_id": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -160,6 +200,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             staged = stage_for_process(state_dict, guard=self.options.guard_optimizer_step)
             self._process_staged = staged.staged
             return staged.result
+        if not lazy_staging_planner(call.planner):
+            # A planner of the user's decides what is saved (resolve_data): stage as stock does,
+            # a blocking CPU copy, and let write_data resolve every item through that planner.
+            copied = stock_stage(state_dict)
+            done: Future[None] = Future()
+            done.set_result(None)
+            self._process_staged = done  # staging_future: complete, not the runtime's
+            return copied
         rank = _current_rank()
         session = self._runtime.new_session(plan_providers(state_dict), rank)
         stats = SaveStats(checkpoint_id="", rank=rank, pool_bytes=self._runtime.pool_capacity)
@@ -206,26 +254,39 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         save.is_coordinator = is_coordinator
         if kwargs.get("rank") is not None:
             save.rank = kwargs["rank"]
+        # use_collectives=False (DCP passes it to a "kwargs" parameter): every rank plans,
+        # writes and commits on its own, __{rank}_*.distcp and __{rank}.metadata, as stock does.
+        save.use_collectives = kwargs.get("use_collectives", True)
+        if not save.use_collectives:
+            save.is_coordinator = True
         if save.stats is None:
             save.stats = SaveStats(checkpoint_id="", rank=save.rank)
         save.stats.checkpoint_id = save.storage.describe("").rstrip("/")
         save.stats.rank = save.rank
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self._save().storage.makedirs()
+        save = self._save()
+        save.storage.makedirs()
+        if not save.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=f"__{save.rank}_")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save = self._save()
-        if save.storage.exists(METADATA_NAME):
+        name = metadata_name(save.commit_rank)
+        if save.storage.exists(name):
             if not self.options.overwrite:
                 raise FileExistsError(
-                    f"{save.storage.describe(METADATA_NAME)} exists and overwrite=False; save to a "
+                    f"{save.storage.describe(name)} exists and overwrite=False; save to a "
                     "new path or pass overwrite=True"
                 )
-            _commit.uncommit(save.storage, sync=self.options.sync_files)
+            _commit.uncommit(save.storage, save.commit_rank, sync=self.options.sync_files)
             logger.warning("overwriting the checkpoint at %s", save.storage.describe(""))
-        return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]
+        # A plan keeps the prefix it has (a rank's own, without collectives; a cached plan's).
+        return [
+            p if p.storage_data is not None else dataclasses.replace(p, storage_data=f"__{i}_")
+            for i, p in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save = self._save()
@@ -268,10 +329,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             source = getattr(provider, "source", None)
             if item.tensor_data is not None and source is not None:
                 shape, staged = tuple(item.tensor_data.chunk.sizes), tuple(source.shape)
-                if shape != staged:
+                dtype = item.tensor_data.properties.dtype
+                if shape != staged or dtype != source.dtype:
                     raise InvalidStateDictError(
-                        f"rank {rank}: tensor {item.index.fqn!r} was staged with shape {staged} "
-                        f"but planned with {shape}; do not replace tensors while a save is staged"
+                        f"rank {rank}: tensor {item.index.fqn!r} was staged as {source.dtype} of "
+                        f"shape {staged} but planned as {dtype} of shape {shape}; do not replace "
+                        "tensors while a save is staged, and give dcp.async_save a planner that "
+                        "plans the state dict as it is"
                     )
 
     def _flushed(self, save: _Save, fut: Future[list[WriteResult]]) -> None:
@@ -308,8 +372,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         save = self._save()
         start = time.monotonic()
+        metadata.storage_meta = self.storage_meta()
         _commit.commit(
-            save.storage, metadata, results, sync=self.options.sync_files, rank=save.rank
+            save.storage,
+            metadata,
+            results,
+            sync=self.options.sync_files,
+            rank=save.rank,
+            commit_rank=save.commit_rank,
         )
         if save.stats is not None:
             save.stats.commit_s = time.monotonic() - start
@@ -317,7 +387,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         save.done = True
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self._save().path, save_id=uuid.uuid4().hex)
+        save = self._save()
+        self.save_id = save.save_id
+        return StorageMeta(checkpoint_id=save.path, save_id=save.save_id)
 
     @property
     def checkpoint_id(self) -> str:

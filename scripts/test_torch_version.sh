@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Run the DCP-facing tests against another torch release, in a throwaway virtual environment
+# that sees this interpreter's packages (pytest, crc32c, ...) but its own torch.
+#
+#   scripts/test_torch_version.sh 2.14.1 [pip args...]
+#
+# Extra arguments go to pip (e.g. --find-links /dir/with/wheels). PyPI's Linux torch wheels are
+# CUDA builds (several GB with their nvidia-* libraries); they run these tests on CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version="$1"
+shift
+venv="${TMPDIR:-/tmp}/dcp-datastates-torch-${version}"
+[ -x "$venv/bin/python" ] || python3 -m venv --system-site-packages "$venv"
+"$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" \
+  2>/dev/null || "$venv/bin/pip" install "torch==${version}" "$@"
+PYTHONPATH="$PWD" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+  tests/test_conformance.py tests/test_roundtrip.py tests/test_distributed.py \
+  tests/test_reader_paths.py tests/test_process_executor.py tests/test_format_golden.py \
+  tests/test_guard_and_mutation.py

@@ -1,0 +1,404 @@
+"""Conformance: the same DCP scenarios with the stock classes and with ours, the same results.
+
+Every test is parametrized by ``impl``: ``stock`` runs it with ``FileSystemWriter`` /
+``FileSystemReader``, ``ours`` with ``DataStatesWriter`` / ``DataStatesReader`` built from the
+very same arguments (a drop-in is a class-name change). Checkpoints are loaded with both readers
+and compared with what was saved: sync and async saves, objects and ``io.BytesIO`` values,
+overwrite, compression, storage ids, custom planners, plan caching, legacy metadata types, and
+(on two gloo ranks, ``_conformance_workers.py``) sharded and replicated DTensors, resharding,
+repeated cached-plan async saves and ``use_collectives=False``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _conformance_workers import reader_for, writer_for
+from _dist_workers import check_all_ok, launch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from dcp_datastates import DataStatesReader, DataStatesWriter
+
+IMPLS = ["stock", "ours"]
+READERS = ["stock", "ours"]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(6, 8, generator=g)
+    return {
+        "f32": torch.randn(64, 33, generator=g),
+        "bf16": torch.randn(17, generator=g).to(torch.bfloat16),
+        "i64": torch.randint(-5, 5, (4, 4), generator=g),
+        "flags": torch.rand(9, generator=g) > 0.5,
+        "scalar": torch.tensor(3.5 + seed),
+        "empty": torch.empty(0, 3),
+        "column": base[:, 2],  # a non-contiguous view: only its own elements are saved
+        "big": torch.randn(1 << 18, generator=g),  # 1 MiB: read in regions
+        "obj": {"step": 10 + seed, "name": f"run-{seed}", "lrs": [0.1, 0.01]},
+        "losses": io.BytesIO(f"losses {seed}".encode()),
+    }
+
+
+def _blank() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in _state().items():
+        if isinstance(value, torch.Tensor):
+            out[key] = torch.zeros_like(value, memory_format=torch.contiguous_format)
+        elif isinstance(value, io.BytesIO):
+            out[key] = io.BytesIO()
+        else:
+            out[key] = {"step": 0, "name": "", "lrs": []}
+    return out
+
+
+def _differs(loaded: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    out = []
+    for key, want in expected.items():
+        got = loaded[key]
+        if isinstance(want, torch.Tensor):
+            same = got.dtype == want.dtype and torch.equal(got, want)
+        elif isinstance(want, io.BytesIO):
+            same = isinstance(got, io.BytesIO) and got.getvalue() == want.getvalue()
+        else:
+            same = got == want
+        if not same:
+            out.append(key)
+    return out
+
+
+def _load(reader: str, path: Path) -> dict[str, Any]:
+    target = _blank()
+    dcp.load(target, storage_reader=reader_for(reader, path))
+    return target
+
+
+def _check_loads(path: Path, expected: dict[str, Any]) -> None:
+    for reader in READERS:
+        assert _differs(_load(reader, path), expected) == [], f"read by the {reader} reader"
+
+
+# -- the constructor surface -----------------------------------------------------------------------
+def test_writer_takes_every_stock_argument_in_place() -> None:
+    stock = list(inspect.signature(dcp.FileSystemWriter).parameters)
+    ours = list(inspect.signature(DataStatesWriter).parameters)
+    assert ours[: len(stock)] == stock
+    for name in ours[len(stock) :]:
+        kind = inspect.signature(DataStatesWriter).parameters[name].kind
+        assert kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD), name
+
+
+def test_reader_takes_every_stock_argument_in_place() -> None:
+    stock = list(inspect.signature(dcp.FileSystemReader).parameters)
+    ours = list(inspect.signature(DataStatesReader).parameters)
+    assert ours[: len(stock)] == stock
+    for name in ours[len(stock) :]:
+        kind = inspect.signature(DataStatesReader).parameters[name].kind
+        assert kind is inspect.Parameter.KEYWORD_ONLY, name
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_roundtrip_with_stock_arguments(impl: str, mode: str, tmp_path: Path) -> None:
+    """Every stock writer argument, by position; objects, BytesIO, odd tensors; both readers."""
+    path = tmp_path / "ckpt"
+    # path, single_file_per_rank, sync_files, thread_count, per_thread_copy_ahead,
+    # cache_staged_state_dict, overwrite
+    writer_class = dcp.FileSystemWriter if impl == "stock" else DataStatesWriter
+    writer = writer_class(path, True, True, 2, 1 << 20, False, True)
+    state = _state(1)
+    if mode == "sync":
+        dcp.save(state, storage_writer=writer)
+    else:
+        dcp.async_save(state, storage_writer=writer).result(timeout=30)
+    _check_loads(path, _state(1))
+    if impl == "ours":
+        assert writer.options.flush_workers == 2  # thread_count
+        writer.close()
+
+
+def test_overwrite(impl: str, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    dcp.save(_state(1), storage_writer=writer_for(impl, path))
+    dcp.save(_state(2), storage_writer=writer_for(impl, path, overwrite=True))
+    _check_loads(path, _state(2))
+    with pytest.raises(BaseException) as info:  # DCP's CheckpointException is a BaseException
+        dcp.save(_state(3), storage_writer=writer_for(impl, path, overwrite=False))
+    assert "overwrite" in str(info.value)
+    _check_loads(path, _state(2))
+
+
+def test_storage_meta_and_ids(impl: str, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    writer = writer_for(impl, path)
+    dcp.save(_state(), storage_writer=writer)
+    with open(path / ".metadata", "rb") as f:
+        meta = pickle.load(f).storage_meta
+    assert meta is not None and isinstance(meta.save_id, str) and meta.save_id
+    assert Path(meta.checkpoint_id) == path
+    assert writer.save_id == meta.save_id
+    reader = reader_for(impl, path)
+    first = reader.load_id
+    assert reader.read_metadata().storage_meta.load_id == first
+    reader.reset(path)
+    assert reader.load_id != first
+
+
+# -- compression -----------------------------------------------------------------------------------
+def test_compressed_stock_checkpoint_loads(impl: str, tmp_path: Path) -> None:
+    pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    path = tmp_path / "ckpt"
+    dcp.save(_state(4), storage_writer=dcp.FileSystemWriter(path, _extensions=[ZStandard()]))
+    with open(path / ".metadata", "rb") as f:
+        infos = list(pickle.load(f).storage_data.values())
+    assert all(i.transform_descriptors == ["stream.zstd/1"] for i in infos)
+    assert _differs(_load(impl, path), _state(4)) == []
+
+
+def test_compressed_writer(impl: str, tmp_path: Path) -> None:
+    """Stock writes ZStandard records; ours refuses ``_extensions`` at construction, naming it."""
+    pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    path = tmp_path / "ckpt"
+    if impl == "ours":
+        with pytest.raises(ValueError, match="_extensions=\\[ZStandard\\]"):
+            DataStatesWriter(path, _extensions=[ZStandard()])
+        return
+    dcp.save(_state(5), storage_writer=writer_for(impl, path, _extensions=[ZStandard()]))
+    _check_loads(path, _state(5))
+
+
+def test_serialization_format(impl: str, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    path = tmp_path / "ckpt"
+    writer = writer_for(impl, path, serialization_format=SerializationFormat.TORCH_SAVE)
+    dcp.save(_state(6), storage_writer=writer)
+    _check_loads(path, _state(6))
+    if impl == "ours":
+        with pytest.raises(ValueError, match="SAFETENSORS"):
+            DataStatesWriter(path, serialization_format=SerializationFormat.SAFETENSORS)
+
+
+# -- planners --------------------------------------------------------------------------------------
+class _DoublingPlanner(DefaultSavePlanner):
+    """A user planner that changes what is saved: tensors doubled, objects tagged."""
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        data = super().resolve_data(write_item)
+        if write_item.type == WriteItemType.BYTE_IO:
+            return data
+        return data * 2
+
+
+def _doubled(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: (v * 2 if isinstance(v, torch.Tensor) and v.dtype != torch.bool else v)
+        for k, v in state.items()
+    }
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_custom_planner_resolve_data(impl: str, mode: str, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    state = {k: v for k, v in _state(7).items() if k != "flags"}  # bool * 2 is an int
+    writer = writer_for(impl, path)
+    if mode == "sync":
+        dcp.save(state, storage_writer=writer, planner=_DoublingPlanner())
+    else:
+        fut = dcp.async_save(state, storage_writer=writer, planner=_DoublingPlanner())
+        fut.result(timeout=30)
+    expected = _doubled({k: v for k, v in _state(7).items() if k != "flags"})
+    for reader in READERS:
+        target = {k: v for k, v in _blank().items() if k != "flags"}
+        dcp.load(target, storage_reader=reader_for(reader, path))
+        assert _differs(target, expected) == [], reader
+
+
+def test_plan_caching_repeated_async_saves(impl: str, tmp_path: Path) -> None:
+    writer = writer_for(impl, tmp_path / "c0")
+    for i in range(3):
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        dcp.async_save(
+            _state(20 + i), checkpoint_id=tmp_path / f"c{i}", storage_writer=writer, planner=planner
+        ).result(timeout=30)
+    for i in range(3):
+        _check_loads(tmp_path / f"c{i}", _state(20 + i))
+
+
+# -- old checkpoints -------------------------------------------------------------------------------
+def test_legacy_shard_tensor_properties(impl: str, tmp_path: Path) -> None:
+    """Checkpoints of older torch hold ``torch.distributed._shard``'s ``TensorProperties``."""
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as Legacy
+
+    path = tmp_path / "ckpt"
+    dcp.save({"t": torch.arange(6.0)}, storage_writer=dcp.FileSystemWriter(path))
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    md = metadata.state_dict_metadata["t"]
+    legacy = Legacy(dtype=md.properties.dtype, layout=md.properties.layout)
+    metadata.state_dict_metadata["t"] = dataclasses.replace(md, properties=legacy)
+    blob = pickle.dumps(metadata)
+    assert b"torch.distributed._shard.sharded_tensor.metadata" in blob
+    (path / ".metadata").write_bytes(blob)
+    target = {"t": torch.zeros(6)}
+    dcp.load(target, storage_reader=reader_for(impl, path))
+    assert torch.equal(target["t"], torch.arange(6.0))
+
+
+# -- two gloo ranks --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_rank_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = {}
+    for name in IMPLS:
+        workdir = tmp_path_factory.mktemp(f"conformance-{name}")
+        results = launch(
+            name, workdir, timeout=90, script=str(Path(__file__).parent / "_conformance_workers.py")
+        )
+        check_all_ok(results)
+        out[name] = ([r.report for r in results], workdir)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_two_ranks(two_rank_reports: dict[str, Any], impl: str) -> None:
+    reports, workdir = two_rank_reports[impl]
+    for rank, report in enumerate(reports):
+        for scenario, by_reader in report.items():
+            if scenario in ("ok", "nocoll_files"):
+                continue
+            assert by_reader == {"stock": [], "ours": []}, f"rank {rank} {scenario}"
+    names = reports[0]["nocoll_files"]
+    assert "__0.metadata" in names and "__1.metadata" in names and ".metadata" not in names
+    data = [n for n in names if n.endswith(".distcp")]
+    assert {n.split("_")[2] for n in data} == {"0", "1"}, data  # per-rank file prefixes
+    # Saved on two ranks, loaded here on one: resharded into whole tensors by both readers.
+    from _dist_workers import full_values
+
+    values = full_values(1)
+    for reader in READERS:
+        target = {k: torch.zeros_like(values[k]) for k in ("sharded", "replicated_dt", "plain")}
+        dcp.load(target, storage_reader=reader_for(reader, workdir / "sync"))
+        for k, v in target.items():
+            assert torch.equal(v, values[k]), (reader, k)
+    # Both implementations leave the same items in the same checkpoints.
+    with open(workdir / "sync" / ".metadata", "rb") as f:
+        ours_items = set(pickle.load(f).state_dict_metadata)
+    stock_dir = two_rank_reports["stock"][1]
+    with open(stock_dir / "sync" / ".metadata", "rb") as f:
+        assert set(pickle.load(f).state_dict_metadata) == ours_items
+
+
+@pytest.mark.multiprocess
+def test_cli_checks_every_rank_commit_record(
+    two_rank_reports: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``use_collectives=False`` leaves ``__{rank}.metadata`` only: the CLI checks each."""
+    import json
+
+    from dcp_datastates.cli import EXIT_OK, main
+
+    path = str(two_rank_reports["ours"][1] / "nocoll")
+    assert main(["verify", "--quiet", path]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "(__0.metadata): OK" in out and "(__1.metadata): OK" in out
+    assert main(["inspect", "--json", "--rank", "1", path]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    assert report["commit_record"] == "__1.metadata"
+    assert {item["fqn"] for item in report["items"]} == {"w", "step", "note.rank", "buf"}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_checkpointable_tensor_shards(impl: str, mode: str, tmp_path: Path) -> None:
+    """torch 2.14's ``CheckpointableTensor``: a plain tensor holding shards (with padding) of a
+    bigger global tensor makes SHARD items; our planner must slice them, not take the buffer."""
+    pytest.importorskip("torch.distributed.checkpoint.protocol")
+    if impl == "stock" and mode == "async":
+        pytest.skip("stock staging (torch 2.14.1) copies the tensor without the protocol fields")
+
+    def shards(buffer: torch.Tensor) -> torch.Tensor:
+        buffer.global_shape = (8, 4)  # type: ignore[attr-defined]
+        buffer.global_offsets = ((0, 0), (6, 0))  # type: ignore[attr-defined]
+        buffer.local_offsets = ((0, 0), (3, 0))  # type: ignore[attr-defined]  # row 2: padding
+        buffer.local_sizes = ((2, 4), (2, 4))  # type: ignore[attr-defined]
+        return buffer
+
+    saved = shards(torch.arange(20.0).reshape(5, 4))
+    path = tmp_path / "ckpt"
+    writer = writer_for(impl, path)
+    if mode == "sync":
+        dcp.save({"t": saved}, storage_writer=writer)
+    else:
+        dcp.async_save({"t": saved}, storage_writer=writer).result(timeout=30)
+    for reader in READERS:
+        target = shards(torch.zeros(5, 4))
+        dcp.load({"t": target}, storage_reader=reader_for(reader, path))
+        assert torch.equal(target[0:2], saved[0:2]) and torch.equal(target[3:5], saved[3:5])
+
+
+def test_staged_and_planned_dtype_must_match(tmp_path: Path) -> None:
+    """A tensor replaced by one of another dtype (same shape) between ``stage()`` and planning
+    is refused, naming both dtypes, instead of writing staged bytes under the planned dtype."""
+    import threading
+
+    writer = DataStatesWriter(tmp_path / "ckpt")
+    try:
+        writer.stage({"w": torch.ones(4, 4)})
+        errors: list[BaseException] = []
+
+        def save() -> None:  # DCP's save thread: it claims the snapshot staged above
+            try:
+                dcp.save({"w": torch.ones(4, 4, dtype=torch.float64)}, storage_writer=writer)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=save)
+        thread.start()
+        thread.join(timeout=30)
+        assert len(errors) == 1
+        message = str(errors[0])
+        assert "torch.float32" in message and "torch.float64" in message and "'w'" in message
+        assert not (tmp_path / "ckpt" / ".metadata").exists()
+    finally:
+        writer.close()
+
+
+def test_compressed_record_that_decodes_too_big_is_refused(tmp_path: Path) -> None:
+    """A zstd record that expands far beyond the tensor it claims (a decompression bomb) is
+    refused once it passes the tensor's size, before it fills memory."""
+    zstandard = pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    path = tmp_path / "ckpt"
+    dcp.save(
+        {"t": torch.ones(16)}, storage_writer=dcp.FileSystemWriter(path, _extensions=[ZStandard()])
+    )
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    (index, info) = next(iter(metadata.storage_data.items()))
+    bomb = zstandard.ZstdCompressor().compress(bytes(16 << 20))
+    with open(path / info.relative_path, "ab") as f:
+        offset = f.seek(0, io.SEEK_END)
+        f.write(bomb)
+    info.offset, info.length = offset, len(bomb)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(BaseException, match="decodes to more than") as caught:
+        dcp.load({"t": torch.zeros(16)}, storage_reader=DataStatesReader(path))
+    assert f"item {index.fqn!r}" in str(caught.value)
