@@ -54,6 +54,8 @@ class DataStatesReader(StorageReader):
             plain ``pickle`` (``torch.load(weights_only=False)``), which runs any code the files
             name. Only for checkpoints you trust. Untrusted (the default), anything outside the
             checks raises :class:`~dcp_datastates.errors.UnsafeCheckpointError`.
+        storage_options: Keyword arguments for the fsspec file system of a URL path (for
+            ``s3://``: ``endpoint_url``, ``key``, ``secret``, ...; see ``docs/storage.md``).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class DataStatesReader(StorageReader):
         verify: bool = True,
         io_workers: int = 4,
         trusted: bool = False,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if io_workers < 1:
@@ -72,10 +75,11 @@ class DataStatesReader(StorageReader):
         self.io_workers = io_workers
         self.fetch_options = FetchOptions(verify=verify, io_workers=io_workers)
         self.trusted = trusted
+        self.storage_options = storage_options
         self._reset_state()
 
     def _reset_state(self) -> None:
-        self.storage = storage_for(self.path)
+        self.storage = storage_for(self.path, self.storage_options)
         self.metadata: Metadata | None = None
         self.manifest: dict[str, RecordInfo] | None = None
         self._checked: Metadata | None = None

@@ -144,8 +144,9 @@ class _Runtime:
 class _Save:
     """Per-save state, held thread-locally on the thread DCP runs the save on."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, storage_options: Any = None) -> None:
         self.path = path
+        self.storage_options = storage_options
         self.rank = _current_rank()
         self.is_coordinator = True
         self.session: SnapshotSession | None = None
@@ -157,7 +158,7 @@ class _Save:
 
     @functools.cached_property
     def storage(self) -> Storage:
-        return storage_for(self.path)
+        return storage_for(self.path, self.storage_options)
 
 
 class DataStatesWriter(StorageWriter, AsyncStager):
@@ -324,7 +325,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def _begin(self, path: str) -> _Save:
         """The first writer call of a save on this thread: new per-save state, and claim the
         snapshot staged for it (claiming first, so that a save dying later is seen dead)."""
-        save = self._local.save = _Save(path)
+        save = self._local.save = _Save(path, self.options.storage_options)
         with self._claimed:
             pending = self._unclaimed
             if pending is not None and pending[1] is not threading.current_thread():

@@ -1,0 +1,447 @@
+"""Checkpoints on S3-compatible object stores, through s3fs's client but with our own requests.
+
+Why not ``s3fs.S3File``: it uploads a part synchronously inside ``write()`` (the flush thread
+stops while the part travels), copies every byte into a growing ``BytesIO``, and its retries
+cover some errors and not others (a 503 without "SlowDown" in its text fails at once). Here:
+
+* **Streaming writes.** Each data object is a multipart upload. ``write()`` fills a part buffer
+  and hands full parts to s3fs's event loop, up to ``parts_in_flight`` per object at once, so an
+  object holds at most ``(parts_in_flight + 1) * part_bytes`` of upload buffers; the pool pieces
+  were copied out and released when ``write()`` returned, as on disk. Objects smaller than one
+  part go up as a single PUT.
+* **Commit without rename.** Nothing is renamed: the commit checks each data object's size with a
+  fresh HEAD (never a cached listing), then PUTs the manifest, then ``.metadata`` as the last
+  single PUT. A prefix without ``.metadata`` is not a checkpoint.
+* **Bounded retries.** Every request is retried with exponential back-off and jitter on
+  transient failures (5xx, throttling, timeouts, resets); botocore's own retries are turned off
+  unless configured, so the bound is ours. Permanent ones (403, no such bucket) fail at once with
+  :class:`ObjectStoreError` naming the bucket, key and cause.
+* **No orphans.** A failed object aborts its multipart upload; ``makedirs`` (every rank, before
+  any rank writes) aborts uploads an earlier crashed save left under the prefix.
+* **Ranged reads.** ``open_ranged`` serves ``read_into`` with a ranged GET whose body streams
+  straight into the caller's buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import io
+import logging
+import random
+import threading
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import fsspec
+
+from .errors import DataStatesError
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+#: Error codes that mean "try again later", whatever the HTTP status says.
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "503",
+        "500",
+    }
+)
+
+_HINTS = {
+    errno.EACCES: "check the credentials and that they may read and write this prefix",
+    errno.ENOENT: "check the bucket name and the endpoint, or create the bucket",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How often and how patiently an object-store request is retried.
+
+    Attributes:
+        attempts: Tries per request, the first included (1 turns retries off).
+        base_s: Back-off before the second try; it doubles per try, with full jitter.
+        max_s: Cap on one back-off.
+    """
+
+    attempts: int = 6
+    base_s: float = 0.1
+    max_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"attempts={self.attempts!r} must be an int of at least 1")
+        if self.base_s < 0 or self.max_s < self.base_s:
+            raise ValueError(f"need 0 <= base_s <= max_s, got {self.base_s!r}, {self.max_s!r}")
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_s, self.base_s * 2**attempt))
+
+
+class ObjectStoreError(DataStatesError, OSError):
+    """An object-store request failed for good (permanently, or after every retry).
+
+    Attributes: ``bucket``, ``key``, ``operation``, ``code`` (the S3 error code or exception
+    name) and ``transient`` (it was retryable, and retries ran out).
+    """
+
+    def __init__(
+        self, err: int, message: str, *, bucket: str, key: str, operation: str, code: str
+    ) -> None:
+        super().__init__(err, message)
+        self.filename = f"s3://{bucket}/{key}"
+        self.bucket, self.key, self.operation, self.code = bucket, key, operation, code
+        self.transient = False
+
+
+def classify(exc: BaseException) -> tuple[bool, int, str, str]:
+    """``(transient, errno, code, detail)`` of a failed request."""
+    from botocore.exceptions import ClientError, HTTPClientError
+
+    if isinstance(exc, ClientError):
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", "?"))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        detail = f"{code} (HTTP {status}): {err.get('Message', '')}".rstrip(": ")
+        transient = status >= 500 or status in (408, 429) or code in _TRANSIENT_CODES
+        number = {403: errno.EACCES, 404: errno.ENOENT}.get(status, errno.EIO)
+        if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            number = errno.EACCES
+        return transient, number, code, detail
+    name = type(exc).__name__
+    transient = isinstance(
+        exc, (HTTPClientError, ConnectionError, TimeoutError, asyncio.TimeoutError)
+    )
+    with contextlib.suppress(ImportError):
+        import aiohttp
+
+        transient = transient or isinstance(exc, aiohttp.ClientError)
+    return transient, errno.EIO, name, f"{name}: {exc}"
+
+
+class _Client:
+    """Retried requests on s3fs's event loop, callable from any thread."""
+
+    def __init__(self, fs: Any, bucket: str, retry: RetryPolicy) -> None:
+        self.fs, self.bucket, self.retry = fs, bucket, retry
+
+    async def call(self, op: str, key: str, sink: Any = None, **kw: Any) -> Any:
+        """``op`` on ``key``; the body of a GET goes to ``sink(body)`` inside the retried try."""
+        for attempt in range(self.retry.attempts):
+            try:
+                await self.fs.set_session()
+                s3 = await self.fs.get_s3(self.bucket)
+                args = {"Bucket": self.bucket, **({"Key": key} if key is not None else {}), **kw}
+                out = await getattr(s3, op)(**args)
+                return await sink(out["Body"]) if sink is not None else out
+            except Exception as exc:
+                transient, number, code, detail = classify(exc)
+                if not transient or attempt + 1 == self.retry.attempts:
+                    raise self.error(op, key, number, code, detail, transient, attempt + 1) from exc
+                pause = self.retry.delay(attempt)
+                logger.info(
+                    "s3://%s/%s: %s failed (%s); retry in %.2fs",
+                    self.bucket,
+                    key,
+                    op,
+                    detail,
+                    pause,
+                )
+                await asyncio.sleep(pause)
+        raise AssertionError("unreachable")
+
+    def error(
+        self,
+        op: str,
+        key: str | None,
+        number: int,
+        code: str,
+        detail: str,
+        transient: bool,
+        tries: int,
+    ) -> ObjectStoreError:
+        where = f"s3://{self.bucket}/{key or ''}"
+        if transient:
+            hint = f"gave up after {tries} tries; the store is down or throttling, save again later"
+        else:
+            hint = _HINTS.get(number, "not retried (a permanent failure)")
+        exc = ObjectStoreError(
+            number,
+            f"{where}: {op} failed: {detail}; {hint}",
+            bucket=self.bucket,
+            key=key or "",
+            operation=op,
+            code=code,
+        )
+        exc.transient = transient
+        return exc
+
+    def submit(self, op: str, key: str, sink: Any = None, **kw: Any) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(self.call(op, key, sink, **kw), self.fs.loop)
+
+    def __call__(self, op: str, key: str, sink: Any = None, **kw: Any) -> Any:
+        return self.submit(op, key, sink, **kw).result()
+
+
+class _MultipartWriter(io.RawIOBase):
+    """A write-only object: parts are uploaded while later ones are still being written."""
+
+    def __init__(self, client: _Client, key: str, part_bytes: int, parts_in_flight: int) -> None:
+        super().__init__()
+        self.client, self.key, self.part_bytes = client, key, part_bytes
+        self.buf = bytearray()
+        self.size = 0
+        self.upload_id: str | None = None
+        self.parts: list[Future[Any]] = []
+        self.slots = threading.Semaphore(parts_in_flight)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        while view.nbytes:
+            take = min(self.part_bytes - len(self.buf), view.nbytes)
+            self.buf += view[:take]
+            view = view[take:]
+            if len(self.buf) == self.part_bytes:
+                self._send_part()
+        self.size += n
+        return n
+
+    def _send_part(self) -> None:
+        for done in self.parts:  # fail fast: a part that failed for good ends the object
+            if done.done() and done.exception() is not None:
+                raise done.exception()
+        if self.upload_id is None:
+            self.upload_id = self.client("create_multipart_upload", self.key)["UploadId"]
+        self.slots.acquire()  # at most parts_in_flight bodies travel at once
+        body, self.buf = bytes(self.buf), bytearray()
+        part = self.client.submit(
+            "upload_part",
+            self.key,
+            Body=body,
+            UploadId=self.upload_id,
+            PartNumber=len(self.parts) + 1,
+        )
+        part.add_done_callback(lambda _: self.slots.release())
+        self.parts.append(part)
+
+    def finish(self) -> None:
+        """Complete the object: the last part and CompleteMultipartUpload, or one PUT."""
+        if self.upload_id is None:
+            self.client("put_object", self.key, Body=bytes(self.buf))
+            return
+        if self.buf:
+            self._send_part()
+        etags = [
+            {"PartNumber": i + 1, "ETag": p.result()["ETag"]} for i, p in enumerate(self.parts)
+        ]
+        self.client(
+            "complete_multipart_upload",
+            self.key,
+            UploadId=self.upload_id,
+            MultipartUpload={"Parts": etags},
+        )
+
+    def abandon(self) -> None:
+        """Abort the multipart upload, so that no orphaned parts stay billed and listed."""
+        for part in self.parts:
+            with contextlib.suppress(Exception):
+                part.result()
+        if self.upload_id is not None:
+            try:
+                self.client("abort_multipart_upload", self.key, UploadId=self.upload_id)
+            except ObjectStoreError as exc:
+                logger.warning(
+                    "could not abort the upload of %s (%s); it stays listed", exc.filename, exc
+                )
+
+
+class _S3RangedFile:
+    """Ranged GETs streamed straight into the caller's buffers; safe from many threads."""
+
+    _STEP = 1 * MiB
+
+    def __init__(self, client: _Client, key: str) -> None:
+        self.client, self.key = client, key
+
+    def read_into(self, offset: int, buffers: list[memoryview]) -> int:
+        targets = [b.cast("B") for b in buffers if b.nbytes]
+        want = sum(b.nbytes for b in targets)
+        if not want:
+            return 0
+
+        async def sink(body: Any) -> int:
+            got, i, pos = 0, 0, 0  # pos: bytes filled in targets[i]
+            async with body:
+                while i < len(targets):
+                    chunk = await body.read(min(self._STEP, targets[i].nbytes - pos))
+                    if not chunk:
+                        break
+                    targets[i][pos : pos + len(chunk)] = chunk
+                    got, pos = got + len(chunk), pos + len(chunk)
+                    if pos == targets[i].nbytes:
+                        i, pos = i + 1, 0
+            return got
+
+        try:
+            return self.client(
+                "get_object", self.key, sink, Range=f"bytes={offset}-{offset + want - 1}"
+            )
+        except ObjectStoreError as exc:
+            if exc.code == "InvalidRange":  # reading at or past the end
+                return 0
+            raise
+
+    def close(self) -> None:
+        pass
+
+
+class S3Storage:
+    """A checkpoint prefix ``s3://bucket/path`` on an S3-compatible store.
+
+    Args:
+        url: ``s3://bucket/prefix``.
+        storage_options: Passed to ``s3fs.S3FileSystem`` (``endpoint_url``, ``key``, ``secret``,
+            ``client_kwargs``, ``config_kwargs``, ...); fsspec's config and the AWS environment
+            variables apply as usual. Three keys are ours and override the arguments below:
+            ``retry`` (a :class:`RetryPolicy`), ``part_bytes`` and ``parts_in_flight``.
+        part_bytes: Size of a multipart part (at least 5 MiB, S3's minimum).
+        parts_in_flight: Parts of one object uploading at once.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        part_bytes: int = 16 * MiB,
+        parts_in_flight: int = 2,
+    ) -> None:
+        options = dict(storage_options or {})
+        retry = options.pop("retry", None) or RetryPolicy()
+        part_bytes = options.pop("part_bytes", part_bytes)
+        parts_in_flight = options.pop("parts_in_flight", parts_in_flight)
+        if part_bytes < 5 * MiB:
+            raise ValueError(f"part_bytes={part_bytes!r} is below S3's 5 MiB minimum part size")
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"mode": "standard", "max_attempts": 1})  # ours bound them
+        options["config_kwargs"] = config
+        self.fs, root = fsspec.core.url_to_fs(url, **options)
+        self.bucket, _, prefix = root.partition("/")
+        self.prefix = prefix.strip("/")
+        self.url = url.rstrip("/")
+        self.root = root
+        self.part_bytes, self.parts_in_flight = part_bytes, parts_in_flight
+        self.client = _Client(self.fs, self.bucket, retry)
+
+    def describe(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def makedirs(self) -> None:
+        """Check the bucket (a wrong name fails here, fast) and abort stale uploads."""
+        self.client("head_bucket", None)
+        self.abort_stale_uploads()
+
+    def abort_stale_uploads(self) -> int:
+        """Abort multipart uploads under this prefix (left by a save that crashed)."""
+        out = self.client("list_multipart_uploads", None, Prefix=self.key(""))
+        uploads = out.get("Uploads", [])
+        for up in uploads:
+            with contextlib.suppress(ObjectStoreError):
+                self.client("abort_multipart_upload", up["Key"], UploadId=up["UploadId"])
+        return len(uploads)
+
+    def size(self, name: str) -> int | None:
+        """Size of ``name`` from a fresh HEAD (``None`` if absent): never a cached listing."""
+        try:
+            return int(self.client("head_object", self.key(name))["ContentLength"])
+        except ObjectStoreError as exc:
+            if exc.errno == errno.ENOENT:
+                return None
+            raise
+
+    def exists(self, name: str) -> bool:
+        return self.size(name) is not None
+
+    def remove(self, name: str) -> None:
+        self.client("delete_object", self.key(name))
+
+    @contextlib.contextmanager
+    def open_write(self, name: str, *, sync: bool) -> Iterator[BinaryIO]:
+        writer = _MultipartWriter(
+            self.client, self.key(name), self.part_bytes, self.parts_in_flight
+        )
+        try:
+            yield writer  # type: ignore[misc]
+            writer.finish()
+        except BaseException:
+            writer.abandon()
+            raise
+
+    def put_atomic(self, name: str, data: bytes, *, sync: bool) -> None:
+        """One PUT: the object appears whole or not at all (no rename, which S3 lacks)."""
+        self.client("put_object", self.key(name), Body=bytes(data))
+
+    def check_sizes(self, expected: Mapping[str, int]) -> None:
+        """Refuse to commit unless every object is there with the size written (fresh HEADs)."""
+        futures = {n: self.client.submit("head_object", self.key(n)) for n in expected}
+        for name, fut in futures.items():
+            try:
+                got: int | None = int(fut.result()["ContentLength"])
+            except ObjectStoreError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+                got = None
+            if got != expected[name]:
+                raise ObjectStoreError(
+                    errno.EIO,
+                    f"{self.describe(name)} is {'missing' if got is None else f'{got} bytes'} but "
+                    f"the save wrote {expected[name]} bytes; not committing this checkpoint "
+                    "(another writer on the same prefix?); save again",
+                    bucket=self.bucket,
+                    key=self.key(name),
+                    operation="head_object",
+                    code="SizeMismatch",
+                )
+
+    def open_read(self, name: str) -> BinaryIO:
+        path = f"{self.root.rstrip('/')}/{name}"
+        self.fs.invalidate_cache(path)  # its size must come from a fresh HEAD
+        return self.fs.open(path, "rb")
+
+    def open_ranged(self, name: str) -> _S3RangedFile:
+        return _S3RangedFile(self.client, self.key(name))
+
+    def list_names(self) -> list[str]:
+        """Names directly under the prefix, listed fresh (``ListObjectsV2``, all pages)."""
+        names: list[str] = []
+        token: dict[str, str] = {}
+        while True:
+            out = self.client("list_objects_v2", None, Prefix=self.key(""), Delimiter="/", **token)
+            names += [o["Key"].rsplit("/", 1)[-1] for o in out.get("Contents", [])]
+            names += [
+                p["Prefix"].rstrip("/").rsplit("/", 1)[-1] for p in out.get("CommonPrefixes", [])
+            ]
+            if not out.get("IsTruncated"):
+                return sorted(names)
+            token = {"ContinuationToken": out["NextContinuationToken"]}
+
+
+__all__ = ["ObjectStoreError", "RetryPolicy", "S3Storage", "classify"]
