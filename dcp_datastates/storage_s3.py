@@ -108,6 +108,8 @@ class ObjectStoreError(DataStatesError, OSError):
 def classify(exc: BaseException) -> tuple[bool, int, str, str]:
     """``(transient, errno, code, detail)`` of a failed request."""
     from botocore.exceptions import ClientError, HTTPClientError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.parsers import ResponseParserError
 
     if isinstance(exc, ClientError):
         err = exc.response.get("Error", {})
@@ -121,7 +123,15 @@ def classify(exc: BaseException) -> tuple[bool, int, str, str]:
         return transient, number, code, detail
     name = type(exc).__name__
     transient = isinstance(
-        exc, (HTTPClientError, ConnectionError, TimeoutError, asyncio.TimeoutError)
+        exc,
+        (
+            HTTPClientError,  # resets, closed connections, read timeouts
+            BotoConnectionError,  # endpoint unreachable
+            ResponseParserError,  # throttling answers are sometimes not valid XML
+            ConnectionError,
+            TimeoutError,
+            asyncio.TimeoutError,
+        ),
     )
     with contextlib.suppress(ImportError):
         import aiohttp

@@ -102,8 +102,7 @@ class FaultProxy:
                 pass
 
             def _handle(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
+                body = self._body()
                 fault = proxy._take(self.command, self.path)
                 if fault is not None and fault.action is not None:
                     fault.action()
@@ -120,7 +119,9 @@ class FaultProxy:
                     return
                 try:
                     conn = http.client.HTTPConnection(HOST, proxy.upstream_port, timeout=30)
-                    headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                    drop = ("connection", "transfer-encoding", "content-length")
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in drop}
+                    headers["Content-Length"] = str(len(body))
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
@@ -129,14 +130,30 @@ class FaultProxy:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
                 self.send_response(resp.status)
+                head = self.command == "HEAD"  # its Content-Length is the object's, keep it
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                length = resp.getheader("Content-Length", "0") if head else str(len(data))
+                self.send_header("Content-Length", length)
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
+
+            def _body(self) -> bytes:
+                if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                    out = bytearray()
+                    while True:  # HTTP/1.1 chunked framing: size line, data, CRLF; 0 ends it
+                        size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                        if size == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass
+                            return bytes(out)
+                        out += self.rfile.read(size)
+                        self.rfile.readline()
+                length = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(length) if length else b""
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
