@@ -209,7 +209,7 @@ class S3Env:
 
         return boto3.client("s3", endpoint_url=self.server.endpoint, region_name="us-east-1")
 
-    def keys(self, prefix: str = "") -> list[str]:
+    def list_keys(self, prefix: str = "") -> list[str]:
         out = self.client().list_objects_v2(Bucket=self.bucket, Prefix=prefix)
         return sorted(o["Key"] for o in out.get("Contents", []))
 

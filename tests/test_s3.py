@@ -70,7 +70,7 @@ def test_checkpoint_round_trips_and_stock_fsspec_reader_loads_it(s3: S3Env) -> N
 
     sd = _state()
     _save(s3, s3.url("step-1"), sd)
-    assert METADATA_NAME in [k.rsplit("/", 1)[-1] for k in s3.keys("step-1/")]
+    assert METADATA_NAME in [k.rsplit("/", 1)[-1] for k in s3.list_keys("step-1/")]
     _assert_same(_load(s3, s3.url("step-1"), sd), sd)
     stock = _empty_like(sd)
     dcp.load(stock, storage_reader=FsspecReader(s3.url("step-1"), endpoint_url=s3.endpoint))
@@ -123,7 +123,7 @@ def test_permanent_403_fails_fast_names_bucket_and_key_and_leaves_no_upload(
     text = str(info.value)
     assert s3_proxy.bucket in text and "denied/__0_0.distcp" in text and "AccessDenied" in text
     assert denied.hits == 1  # not retried
-    assert METADATA_NAME not in [k.rsplit("/", 1)[-1] for k in s3_proxy.keys("denied/")]
+    assert METADATA_NAME not in [k.rsplit("/", 1)[-1] for k in s3_proxy.list_keys("denied/")]
     assert s3_proxy.open_uploads() == []
 
 
@@ -147,7 +147,7 @@ def test_server_stopped_mid_upload_leaves_no_checkpoint_and_the_previous_one_loa
         _save(s3_proxy, s3_proxy.url("step-2"), _state(seed=6))
     assert "gave up after" in str(info.value)
     server.start()
-    assert not any(k.endswith(METADATA_NAME) for k in s3_proxy.keys("step-2/"))
+    assert not any(k.endswith(METADATA_NAME) for k in s3_proxy.list_keys("step-2/"))
     reader = DataStatesReader(s3_proxy.url("step-2"), storage_options=s3_proxy.options())
     with pytest.raises(CheckpointNotCommittedError):
         reader.read_metadata()
