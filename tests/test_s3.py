@@ -215,6 +215,7 @@ def test_ranged_reads_fill_the_callers_buffers_and_stop_at_the_end(s3: S3Env) ->
 
 
 def test_retry_policy_refuses_bad_values_and_classifies_errors() -> None:
+    pytest.importorskip("botocore")
     from botocore.exceptions import ClientError, EndpointConnectionError
 
     from dcp_datastates.storage_s3 import RetryPolicy, classify
