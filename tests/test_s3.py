@@ -5,6 +5,7 @@ stops mid-upload."""
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 from typing import Any
 
 import _s3_server
@@ -234,3 +235,25 @@ def test_retry_policy_refuses_bad_values_and_classifies_errors() -> None:
     transient, number, code, _ = classify(client_error(403, "AccessDenied"))
     assert (transient, number, code) == (False, errno.EACCES, "AccessDenied")
     assert classify(client_error(404, "NoSuchBucket"))[:2] == (False, errno.ENOENT)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_gloo_ranks_save_to_s3_and_one_process_loads_it(
+    s3: S3Env, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from _dist_workers import check_all_ok, empty_like_values, full_values, launch
+
+    monkeypatch.setenv("DCP_TEST_S3_URL", s3.url("ranks"))
+    monkeypatch.setenv("DCP_TEST_S3_ENDPOINT", s3.endpoint)
+    workers = str(Path(__file__).with_name("_s3_workers.py"))
+    check_all_ok(launch("save", tmp_path, timeout=60, script=workers))
+    names = {k.rsplit("/", 1)[-1] for k in s3.list_keys("ranks/")}
+    assert {METADATA_NAME, "__0_0.distcp", "__1_0.distcp"} <= names
+    target = empty_like_values(full_values())
+    dcp.load(target, storage_reader=DataStatesReader(s3.url("ranks"), storage_options=s3.options()))
+    expected = full_values()
+    for key in ("sharded", "replicated_dt", "plain"):
+        assert torch.equal(target[key], expected[key])
+    assert target["meta"] == expected["meta"]
+    assert s3.open_uploads() == []
