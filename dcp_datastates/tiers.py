@@ -140,6 +140,7 @@ class TieredCheckpointer:
         self._busy: Counter[tuple[str, int]] = Counter()  # (tier url, step) being read/uploaded
         self._mirrored: set[int] = set()
         self.failed_uploads: dict[int, BaseException] = {}
+        self._queued: list[Future[None]] = []  # saves whose local outcome is not handled yet
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, state_dict: dict[str, Any], step: int) -> TieredSave:
@@ -155,7 +156,15 @@ class TieredCheckpointer:
         )
         handle.remote.set_running_or_notify_cancel()
 
+        queued: Future[None] = Future()  # the local outcome is handled (upload queued or not)
+
         def committed_locally(fut: Future[Any]) -> None:
+            try:
+                _committed_locally(fut)
+            finally:
+                queued.set_result(None)
+
+        def _committed_locally(fut: Future[Any]) -> None:
             handle.local_s = time.monotonic() - start
             exc = fut.exception()
             if exc is not None:
@@ -163,8 +172,17 @@ class TieredCheckpointer:
                 return
             with self._lock:
                 self._busy[(self.local.url, step)] += 1  # protected until uploaded
-            self._uploads.submit(self._mirror_job, handle, start)
+            try:
+                self._uploads.submit(self._mirror_job, handle, start)
+            except RuntimeError as exc:  # closed meanwhile: say so, never drop it silently
+                with self._lock:
+                    self._busy[(self.local.url, step)] -= 1
+                err = MirrorError(f"step {step} was not uploaded: the checkpointer is closed")
+                err.__cause__ = exc
+                handle.remote.set_exception(err)
 
+        with self._lock:
+            self._queued = [q for q in self._queued if not q.done()] + [queued]
         handle.local.add_done_callback(committed_locally)
         return handle
 
@@ -327,7 +345,10 @@ class TieredCheckpointer:
         self._uploads.submit(lambda: None).result()
 
     def close(self) -> None:
-        """Wait for uploads in flight, then release the writer."""
+        """Wait for local saves and uploads in flight, then release the writer."""
+        with self._lock:
+            queued = list(self._queued)
+        concurrent.futures.wait(queued)  # local saves in flight queue their uploads first
         self._uploads.shutdown(wait=True)
         self.writer.close()
 

@@ -157,3 +157,12 @@ def test_restart_loads_the_newest_step_from_the_fastest_tier_holding_it(
 def test_tier_refuses_a_bad_keep() -> None:
     with pytest.raises(ValueError, match="keep=0"):
         Tier(url="/tmp/x", keep=0)
+
+
+def test_close_right_after_save_still_uploads_and_resolves_remote(
+    tmp_path: Path, s3: S3Env
+) -> None:
+    tiers = _tiers(tmp_path, s3)
+    handle = tiers.save(_state(1), 1)
+    tiers.close()  # waits for the local commit, then for the upload it queued
+    assert handle.remote.done() and handle.remote.result() == s3.url("run", "step-1")
