@@ -12,6 +12,7 @@ and object items must pass ``torch.load(weights_only=True)``. ``trusted=True`` l
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -80,6 +81,10 @@ class DataStatesReader(StorageReader):
 
     def _reset_state(self) -> None:
         self.storage = storage_for(self.path, self.storage_options)
+        # An object store prefers fewer, bigger requests (each GET costs a round trip).
+        hints = getattr(self.storage, "read_hints", None)
+        if hints:
+            self.fetch_options = dataclasses.replace(self.fetch_options, **hints)
         self.metadata: Metadata | None = None
         self.manifest: dict[str, RecordInfo] | None = None
         self._checked: Metadata | None = None
