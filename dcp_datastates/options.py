@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MiB = 1 << 20
@@ -47,7 +47,9 @@ class WriterOptions:
     guard_optimizer_step: bool = True
     sync_files: bool = True
     overwrite: bool = True
-    storage_options: Mapping[str, Any] | None = None
+    # Not hashed (a dict is not hashable; the PROCESS daemon keys its runtimes by options), but
+    # compared: options that differ only here are still different options.
+    storage_options: Mapping[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.host_pool_bytes is not None and self.host_pool_bytes < MiB:

@@ -464,6 +464,10 @@ class S3Storage:
         """One PUT: the object appears whole or not at all (no rename, which S3 lacks)."""
         self.client("put_object", self.key(name), Body=bytes(data))
 
+    def sync_dirs(self, *, parents: bool = False) -> None:
+        """Nothing to do: an object store has no directories; an object is durable once its
+        PUT or CompleteMultipartUpload returned."""
+
     def check_sizes(self, expected: Mapping[str, int]) -> None:
         """Refuse to commit unless every object is there with the size written (fresh HEADs)."""
         futures = {n: self.client.submit("head_object", self.key(n)) for n in expected}

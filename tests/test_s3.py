@@ -171,6 +171,7 @@ def test_objects_left_by_an_earlier_failed_attempt_are_not_part_of_the_new_check
     _assert_same(_load(s3, s3.url("retry"), sd), sd)
     metadata = DataStatesReader(s3.url("retry"), storage_options=s3.options()).read_metadata()
     assert "__0_9.distcp" not in {i.relative_path for i in metadata.storage_data.values()}
+    assert "retry/__0_9.distcp" not in s3.list_keys("retry/")  # the commit removed it
 
 
 def test_commit_refuses_an_object_whose_size_is_not_what_was_written(s3: S3Env) -> None:
