@@ -97,6 +97,7 @@ def commit(
             storage_data[wr.index] = StorageInfo(info.relative_path, info.offset, info.length)
             entries[manifest_key(wr.index.fqn, wr.index.offset)] = info
     manifest = encode_manifest(entries, world_size=len(results), torch_version=torch.__version__)
+    _check_sizes(storage, entries, rank)
     written = {info.relative_path for info in entries.values()}
     manifest_file, metadata_file = manifest_name(commit_rank), metadata_name(commit_rank)
     # The manifest and the commit record are replaced, not removed.
@@ -109,6 +110,21 @@ def commit(
     metadata.storage_data = storage_data
     _put(storage, metadata_file, pickle.dumps(metadata), sync=sync, rank=rank)
     logger.debug("committed %s (%d items)", storage.describe(metadata_file), len(storage_data))
+
+
+def _check_sizes(storage: Storage, entries: dict[str, RecordInfo], rank: int | None) -> None:
+    """Every data file whole, with the bytes the ranks wrote, before anything commits: on an
+    object store this is a fresh HEAD per object, where a rename would have been."""
+    sizes: dict[str, int] = {}
+    for info in entries.values():
+        end = info.offset + info.length
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), end)
+    try:
+        storage.check_sizes(sizes)
+    except OSError as exc:
+        if isinstance(exc, DataStatesError):
+            raise
+        raise _write_error(exc, storage.describe(""), rank) from exc
 
 
 def _put(storage: Storage, name: str, data: bytes, *, sync: bool, rank: int | None) -> None:

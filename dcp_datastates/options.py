@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 MiB = 1 << 20
 
@@ -31,6 +33,9 @@ class WriterOptions:
         overwrite: Allow saving into a directory that already holds a committed checkpoint. The old
             commit record is removed before any data is written, so a crash mid-overwrite leaves an
             uncommitted directory, never a checkpoint that mixes old and new data.
+        storage_options: Keyword arguments for the fsspec file system of a URL path (for
+            ``s3://``: ``endpoint_url``, ``key``, ``secret``, ``client_kwargs``, ...; see
+            ``docs/storage.md``). Ignored for local paths.
     """
 
     host_pool_bytes: int | None = None
@@ -42,6 +47,9 @@ class WriterOptions:
     guard_optimizer_step: bool = True
     sync_files: bool = True
     overwrite: bool = True
+    # Not hashed (a dict is not hashable; the PROCESS daemon keys its runtimes by options), but
+    # compared: options that differ only here are still different options.
+    storage_options: Mapping[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.host_pool_bytes is not None and self.host_pool_bytes < MiB:

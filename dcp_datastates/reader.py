@@ -19,6 +19,7 @@ stock does. ``read_metadata(rank=R)`` reads ``__R.metadata`` (a save with
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -67,6 +68,8 @@ class DataStatesReader(StorageReader):
             plain ``pickle`` (``torch.load(weights_only=False)``), which runs any code the files
             name. Only for checkpoints you trust. Untrusted (the default), anything outside the
             checks raises :class:`~dcp_datastates.errors.UnsafeCheckpointError`.
+        storage_options: Keyword arguments for the fsspec file system of a URL path (for
+            ``s3://``: ``endpoint_url``, ``key``, ``secret``, ...; see ``docs/storage.md``).
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class DataStatesReader(StorageReader):
         verify: bool = True,
         io_workers: int = 4,
         trusted: bool = False,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if io_workers < 1:
@@ -91,10 +95,15 @@ class DataStatesReader(StorageReader):
         )
         self.rank: int | None = None  # set by read_metadata(rank=) / set_up_storage_reader
         self.use_collectives = True
+        self.storage_options = storage_options
         self._reset_state()
 
     def _reset_state(self) -> None:
-        self.storage = storage_for(self.path)
+        self.storage = storage_for(self.path, self.storage_options)
+        # An object store prefers fewer, bigger requests (each GET costs a round trip).
+        hints = getattr(self.storage, "read_hints", None)
+        if hints:
+            self.fetch_options = dataclasses.replace(self.fetch_options, **hints)
         self.metadata: Metadata | None = None
         self.manifest: dict[str, RecordInfo] | None = None
         self._checked: Metadata | None = None

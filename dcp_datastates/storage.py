@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO, Protocol
 
 import fsspec
@@ -42,7 +42,13 @@ class Storage(Protocol):
         ...
 
     def put_atomic(self, name: str, data: bytes, *, sync: bool) -> None:
-        """Make ``name`` hold ``data`` in one step: readers see the old state or the new one."""
+        """Make ``name`` hold ``data`` in one step: readers see the old state or the new one.
+        Locally a temp file, fsync, rename and directory fsync; on an object store one PUT."""
+        ...
+
+    def check_sizes(self, expected: Mapping[str, int]) -> None:
+        """Raise unless each file in ``expected`` exists with that many bytes, as seen now (no
+        cached listing). The commit calls it before the manifest and ``.metadata``."""
         ...
 
     def open_read(self, name: str) -> BinaryIO: ...
@@ -221,6 +227,16 @@ class LocalStorage:
             with contextlib.suppress(OSError):
                 _fsync_dir(path)
 
+    def check_sizes(self, expected: Mapping[str, int]) -> None:
+        for name, size in expected.items():
+            got = os.stat(self.describe(name)).st_size
+            if got != size:
+                raise StorageWriteError(
+                    errno.EIO,
+                    f"{self.describe(name)} has {got} bytes but the save wrote {size}; not "
+                    "committing (another writer on the same directory?); save again",
+                )
+
     def open_read(self, name: str) -> BinaryIO:
         return open(self.describe(name), "rb")  # noqa: SIM115
 
@@ -241,8 +257,8 @@ class FsspecStorage:
     and the commit record is a single ``pipe`` (one PUT) written last.
     """
 
-    def __init__(self, url: str) -> None:
-        self.fs, self.root = fsspec.core.url_to_fs(url)
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.fs, self.root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
         self.url = url.rstrip("/")
 
     def describe(self, name: str) -> str:
@@ -259,6 +275,7 @@ class FsspecStorage:
         self.fs.makedirs(self.root, exist_ok=True)
 
     def exists(self, name: str) -> bool:
+        self.fs.invalidate_cache(self._path(name))  # a cached listing may predate the last save
         return bool(self.fs.exists(self._path(name)))
 
     def remove(self, name: str) -> None:
@@ -283,6 +300,17 @@ class FsspecStorage:
     def put_atomic(self, name: str, data: bytes, *, sync: bool) -> None:
         self.fs.pipe_file(self._path(name), data)
 
+    def check_sizes(self, expected: Mapping[str, int]) -> None:
+        self.fs.invalidate_cache(self.root)
+        for name, size in expected.items():
+            got = self.fs.size(self._path(name))
+            if got != size:
+                raise StorageWriteError(
+                    errno.EIO,
+                    f"{self.describe(name)} has {got} bytes but the save wrote {size}; not "
+                    "committing (another writer at the same URL?); save again",
+                )
+
     def sync_dirs(self, *, parents: bool = False) -> None:
         """Nothing to do: an object store has no directories to make durable."""
 
@@ -293,6 +321,7 @@ class FsspecStorage:
         return _FsspecRangedFile(self.fs, self._path(name))
 
     def list_names(self) -> list[str]:
+        self.fs.invalidate_cache(self.root)
         try:
             return sorted(
                 p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)
@@ -301,12 +330,20 @@ class FsspecStorage:
             return []
 
 
-def storage_for(path: str | os.PathLike) -> LocalStorage | FsspecStorage:
-    """Local paths (and ``file://``) take the fast path; any other URL goes through fsspec."""
+def storage_for(
+    path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None
+) -> Storage:
+    """Local paths (and ``file://``) take the fast path; ``s3://`` gets :class:`S3Storage`
+    (streaming multipart uploads, retries, commit without rename); any other URL goes through
+    fsspec. ``storage_options`` go to the fsspec file system."""
     text = os.fspath(path)
     if "://" not in text or text.startswith("file://"):
         return LocalStorage(text)
-    return FsspecStorage(text)
+    if text.startswith(("s3://", "s3a://")):
+        from .storage_s3 import S3Storage  # s3fs is an extra: imported only for s3 URLs
+
+        return S3Storage(text, storage_options)
+    return FsspecStorage(text, storage_options)
 
 
 __all__ = [

@@ -90,8 +90,9 @@ def _refuse_file_target(path: str | os.PathLike) -> None:
 class _Save:
     """Per-save state, held thread-locally on the thread DCP runs the save on."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, storage_options: Any = None) -> None:
         self.path = path
+        self.storage_options = storage_options
         self.rank = _current_rank()
         self.is_coordinator = True
         self.use_collectives = True
@@ -110,7 +111,7 @@ class _Save:
 
     @functools.cached_property
     def storage(self) -> Storage:
-        return storage_for(self.path)
+        return storage_for(self.path, self.storage_options)
 
 
 @_dcp_private.no_synchronize_after_execute
@@ -233,7 +234,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def _begin(self, path: str) -> _Save:
         """The first writer call of a save on this thread: new per-save state, and claim the
         snapshot staged for it (claiming first, so that a save dying later is seen dead)."""
-        save = self._local.save = _Save(path)
+        save = self._local.save = _Save(path, self.options.storage_options)
         claimed = self._runtime.claim()
         if claimed is not None:
             session, stats = claimed

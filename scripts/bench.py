@@ -22,10 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_lib import limits, load, ranks, report, save, scaling, systems, timeline, train
+from bench_lib import limits, load, objstore, ranks, report, save, scaling, systems, timeline, train
 from bench_lib.common import GB, Recorder, log
 
 SCENARIOS = ["limits", "save", "load", "train", "scaling", "ranks"]
+#: Run only when named (not in "all"): they need the s3 extra and moto.
+EXTRA_SCENARIOS = ["objstore"]
 
 #: Defaults of the full run and of --quick; an option given on the command line wins over both.
 FULL: dict[str, Any] = {
@@ -50,6 +52,7 @@ FULL: dict[str, Any] = {
     "scale_counts": "100,1000,5000,20000",
     "scale_count_gb": 0.1,
     "ranks_gb": 1.0,
+    "s3_gb": 0.5,
 }
 QUICK: dict[str, Any] = {
     **FULL,
@@ -72,6 +75,7 @@ QUICK: dict[str, Any] = {
     "scale_counts": "10,100",
     "scale_count_gb": 0.004,
     "ranks_gb": 0.01,
+    "s3_gb": 0.02,
 }
 
 
@@ -84,9 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "scenarios",
         nargs="+",
-        choices=[*SCENARIOS, "all"],
+        choices=[*SCENARIOS, *EXTRA_SCENARIOS, "all"],
         metavar="SCENARIO",
-        help=f"one or more of: {', '.join(SCENARIOS)}, all",
+        help=f"one or more of: {', '.join(SCENARIOS + EXTRA_SCENARIOS)}, all",
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes, one round: runs in seconds")
     p.add_argument(
@@ -132,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--scale-counts", help="tensor counts, comma-separated")
     g.add_argument("--scale-count-gb", type=float, help="state size of the tensor-count sweep")
     g.add_argument("--ranks-gb", type=float, help="state size of the two-rank save, both ranks")
+    g.add_argument("--s3-gb", type=float, help="state size of the objstore scenario, GB")
     return p
 
 
@@ -152,6 +157,7 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
 def _run(args: argparse.Namespace) -> int:
     args = _resolve(args)
     wanted = SCENARIOS if "all" in args.scenarios else [s for s in SCENARIOS if s in args.scenarios]
+    wanted += [s for s in EXTRA_SCENARIOS if s in args.scenarios]
     args.dir.mkdir(parents=True, exist_ok=True)
     rec = Recorder(args.out / "results.jsonl", quick=args.quick, target_dir=args.dir)
     cold = args.drop_caches == "yes"
@@ -219,16 +225,25 @@ def _run(args: argparse.Namespace) -> int:
                     rounds=args.rounds,
                     timeout=120 if args.quick else 600,
                 )
+            elif scenario == "objstore":
+                objstore.run(
+                    rec,
+                    workdir=args.dir,
+                    nbytes=int(args.s3_gb * GB),
+                    tensors=args.tensors,
+                    rounds=args.rounds,
+                )
             elapsed[scenario] = time.monotonic() - t0
             log(f"{scenario}: {elapsed[scenario]:.1f} s")
     finally:
         if not args.keep:
-            for sub in SCENARIOS:
+            for sub in SCENARIOS + EXTRA_SCENARIOS:
                 shutil.rmtree(args.dir / sub, ignore_errors=True)
     if runs:
         png = timeline.plot(runs, args.png or args.out / "timeline.png")
         rec.note(f"timeline picture: {png}")
     text = report.summary(rec)
+    text += objstore.table(rec)
     text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
     text += f"; total {time.monotonic() - started:.0f} s.\n"
     (args.out / "summary.md").write_text(text)

@@ -11,4 +11,5 @@ timeline.py  the PNG timeline of the training runs
 scaling.py   cost against state size and tensor count
 ranks.py     the save scenario on two gloo ranks
 report.py    summary tables, ratios and targets (met / missed)
+objstore.py  S3 on loopback (moto): stock Fsspec vs ours, and the tiered save (named only)
 """

@@ -1,0 +1,376 @@
+"""Tiered checkpoints: commit to a fast local directory, mirror to a remote URL in the background.
+
+:class:`TieredCheckpointer` saves each step with our writer into ``<local>/step-<n>``; once that
+checkpoint is committed (durable), one background thread copies it to ``<remote>/step-<n>``,
+data files and manifest first, sizes checked, ``.metadata`` last as one PUT, the same commit as
+a direct save. Training waits only for the local stage; the upload reads the committed local
+files, so it holds neither the host pool nor the training thread.
+
+Each save answers a :class:`TieredSave` with three futures: ``staged`` (the state may change),
+``local`` (committed locally) and ``remote`` (committed remotely). A failed upload is retried
+(``upload_attempts``) and then reported through ``remote`` and in :attr:`failed_uploads`; its
+local copy is kept (it is the only one) until :meth:`TieredCheckpointer.mirror` succeeds.
+
+Retention runs after each commit, per tier: keep the newest ``keep`` committed checkpoints and
+delete older committed ones, never the newest, never one being uploaded or read through this
+object (:meth:`reading`), and locally never one not yet committed remotely. A checkpoint is
+deleted ``.metadata`` first, so a crash mid-delete leaves an uncommitted prefix, never a torn
+checkpoint. :meth:`latest` finds the newest step committed in any tier and the fastest tier that
+holds it; :meth:`load` loads from there.
+
+Scope: one process writes (or rank 0 on a local directory every rank shares); other processes
+reading the tiers are not known to retention.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from .api import async_save
+from .errors import DataStatesError
+from .format import MANIFEST_NAME, METADATA_NAME
+from .reader import DataStatesReader
+from .safety import load_metadata
+from .storage import LocalStorage, Storage, storage_for
+from .writer import DataStatesWriter
+
+logger = logging.getLogger(__name__)
+
+_STEP = re.compile(r"^step-(\d+)$")
+_COPY_BYTES = 8 << 20
+
+
+class MirrorError(DataStatesError):
+    """Uploading a committed local checkpoint to the remote tier failed after every retry."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tier:
+    """One place checkpoints live, fastest first in :class:`TieredCheckpointer`.
+
+    Attributes:
+        url: Root directory or URL; each step is ``<url>/step-<n>``.
+        keep: Committed checkpoints kept (the newest ones); ``None`` keeps all.
+        storage_options: fsspec options for a URL (endpoint, credentials, ...).
+    """
+
+    url: str
+    keep: int | None = None
+    storage_options: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
+            raise ValueError(f"keep={self.keep!r} must be None or an int of at least 1")
+
+    def path(self, step: int) -> str:
+        return f"{self.url.rstrip('/')}/step-{step}"
+
+    def storage(self, step: int | None = None) -> Storage:
+        where = self.url if step is None else self.path(step)
+        return storage_for(where, self.storage_options)
+
+
+@dataclass
+class TieredSave:
+    """One tiered save. Times are seconds from the call to ``save``.
+
+    Attributes:
+        step: The step saved.
+        staged: Resolves when the snapshot is complete and the state may change.
+        local: Resolves when the local checkpoint is committed (DCP ``Metadata``).
+        remote: Resolves to the remote URL once the remote copy is committed.
+        blocked_s: How long ``save`` held the caller.
+    """
+
+    step: int
+    staged: Future[Any]
+    local: Future[Any]
+    remote: Future[str] = field(default_factory=Future)
+    blocked_s: float = 0.0
+    local_s: float | None = None
+    remote_s: float | None = None
+
+
+class TieredCheckpointer:
+    """Save to ``local`` at local speed; mirror every committed step to ``remote``.
+
+    Args:
+        local: The fast tier (a directory), or its :class:`Tier`.
+        remote: The remote tier (a URL such as ``s3://bucket/run``), or its :class:`Tier`.
+        keep_local / keep_remote: Retention, when the tiers are given as strings.
+        upload_attempts: Whole-checkpoint upload tries before ``remote`` fails.
+        **writer_options: :class:`~dcp_datastates.WriterOptions` for the local writer.
+    """
+
+    def __init__(
+        self,
+        local: str | os.PathLike | Tier,
+        remote: str | Tier,
+        *,
+        keep_local: int | None = 2,
+        keep_remote: int | None = None,
+        upload_attempts: int = 3,
+        **writer_options: Any,
+    ) -> None:
+        self.local = (
+            local if isinstance(local, Tier) else Tier(url=os.fspath(local), keep=keep_local)
+        )
+        self.remote = remote if isinstance(remote, Tier) else Tier(url=remote, keep=keep_remote)
+        if upload_attempts < 1:
+            raise ValueError(f"upload_attempts={upload_attempts!r} must be at least 1")
+        self.upload_attempts = upload_attempts
+        self.writer = DataStatesWriter(self.local.url, **writer_options)
+        self._uploads = concurrent.futures.ThreadPoolExecutor(1, "datastates-mirror")
+        self._lock = threading.Lock()
+        self._busy: Counter[tuple[str, int]] = Counter()  # (tier url, step) being read/uploaded
+        self._mirrored: set[int] = set()
+        self.failed_uploads: dict[int, BaseException] = {}
+        self._queued: list[Future[None]] = []  # saves whose local outcome is not handled yet
+
+    # -- saving --------------------------------------------------------------------------------
+    def save(self, state_dict: dict[str, Any], step: int) -> TieredSave:
+        """Start saving ``state_dict`` as ``step``; returns once the snapshot is staged."""
+        start = time.monotonic()
+        path = self.local.path(step)
+        response = async_save(state_dict, self.writer, checkpoint_id=path)
+        handle = TieredSave(
+            step=step,
+            staged=response.staging_completion,
+            local=response.upload_completion,
+            blocked_s=time.monotonic() - start,
+        )
+        handle.remote.set_running_or_notify_cancel()
+
+        queued: Future[None] = Future()  # the local outcome is handled (upload queued or not)
+
+        def committed_locally(fut: Future[Any]) -> None:
+            try:
+                _committed_locally(fut)
+            finally:
+                queued.set_result(None)
+
+        def _committed_locally(fut: Future[Any]) -> None:
+            handle.local_s = time.monotonic() - start
+            exc = fut.exception()
+            if exc is not None:
+                handle.remote.set_exception(exc)  # nothing to mirror: the same error, once more
+                return
+            with self._lock:
+                self._busy[(self.local.url, step)] += 1  # protected until uploaded
+            try:
+                self._uploads.submit(self._mirror_job, handle, start)
+            except RuntimeError as exc:  # closed meanwhile: say so, never drop it silently
+                with self._lock:
+                    self._busy[(self.local.url, step)] -= 1
+                err = MirrorError(f"step {step} was not uploaded: the checkpointer is closed")
+                err.__cause__ = exc
+                handle.remote.set_exception(err)
+
+        with self._lock:
+            self._queued = [q for q in self._queued if not q.done()] + [queued]
+        handle.local.add_done_callback(committed_locally)
+        return handle
+
+    def _mirror_job(self, handle: TieredSave, start: float) -> None:
+        try:
+            url = self.mirror(handle.step)
+        except BaseException as exc:
+            handle.remote_s = time.monotonic() - start
+            handle.remote.set_exception(exc)
+        else:
+            handle.remote_s = time.monotonic() - start
+            handle.remote.set_result(url)
+        finally:
+            with self._lock:
+                self._busy[(self.local.url, handle.step)] -= 1
+        self.retain(self.remote)
+        self.retain(self.local)
+
+    def mirror(self, step: int) -> str:
+        """Upload committed local ``step`` to the remote tier (retried); returns its URL.
+
+        Called in the background for every save; call it again for a step in
+        :attr:`failed_uploads` once the remote is reachable."""
+        last: BaseException | None = None
+        for attempt in range(self.upload_attempts):
+            try:
+                self._copy(step)
+            except Exception as exc:
+                last = exc
+                logger.warning(
+                    "mirroring step %d to %s failed (try %d of %d): %s",
+                    step,
+                    self.remote.path(step),
+                    attempt + 1,
+                    self.upload_attempts,
+                    exc,
+                )
+                if attempt + 1 < self.upload_attempts:
+                    time.sleep(min(5.0, 0.2 * 2**attempt))
+                continue
+            with self._lock:
+                self._mirrored.add(step)
+                self.failed_uploads.pop(step, None)
+            logger.info("step %d committed at %s", step, self.remote.path(step))
+            return self.remote.path(step)
+        err = MirrorError(
+            f"uploading step {step} from {self.local.path(step)} to {self.remote.path(step)} "
+            f"failed {self.upload_attempts} times (last: {last}); the local copy is kept. Call "
+            f"mirror({step}) again once the remote is reachable"
+        )
+        err.__cause__ = last
+        with self._lock:
+            self.failed_uploads[step] = err
+        logger.error("%s", err)
+        raise err
+
+    def _copy(self, step: int) -> None:
+        source = self.local.storage(step)
+        target = self.remote.storage(step)
+        with source.open_read(METADATA_NAME) as f:
+            metadata_blob = f.read()
+        metadata = load_metadata(io.BytesIO(metadata_blob), source.describe(METADATA_NAME))
+        files = sorted({info.relative_path for info in metadata.storage_data.values()})
+        target.makedirs()
+        if target.exists(METADATA_NAME):  # an earlier copy: uncommit before replacing data
+            target.remove(METADATA_NAME)
+        sizes = {}
+        for name in files:
+            sizes[name] = _copy_file(source, target, name)
+        target.check_sizes(sizes)
+        if source.exists(MANIFEST_NAME):
+            with source.open_read(MANIFEST_NAME) as f:
+                target.put_atomic(MANIFEST_NAME, f.read(), sync=True)
+        target.put_atomic(METADATA_NAME, metadata_blob, sync=True)
+
+    # -- finding and loading -------------------------------------------------------------------
+    def committed_steps(self, tier: Tier) -> list[int]:
+        """Steps with a committed checkpoint in ``tier``, oldest first (listed fresh)."""
+        steps = []
+        for name in tier.storage().list_names():
+            match = _STEP.match(name)
+            if match and tier.storage(int(match.group(1))).exists(METADATA_NAME):
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def latest(self) -> tuple[int, Tier] | None:
+        """The newest step committed in any tier, and the fastest tier holding it."""
+        held = [(tier, self.committed_steps(tier)) for tier in self.tiers]
+        newest = max((steps[-1] for _, steps in held if steps), default=None)
+        if newest is None:
+            return None
+        return newest, next(tier for tier, steps in held if newest in steps)
+
+    @property
+    def tiers(self) -> tuple[Tier, Tier]:
+        return (self.local, self.remote)
+
+    @contextlib.contextmanager
+    def reading(self, tier: Tier, step: int) -> Iterator[str]:
+        """Protect ``step`` in ``tier`` from retention while the block reads it."""
+        with self._lock:
+            self._busy[(tier.url, step)] += 1
+        try:
+            yield tier.path(step)
+        finally:
+            with self._lock:
+                self._busy[(tier.url, step)] -= 1
+
+    def load(
+        self, state_dict: dict[str, Any], step: int | None = None, **reader_options: Any
+    ) -> int:
+        """Load ``step`` (default: the newest committed anywhere) from the fastest tier holding
+        it, in place into ``state_dict``; returns the step."""
+        if step is None:
+            found = self.latest()
+            if found is None:
+                raise FileNotFoundError(
+                    f"no committed checkpoint in {self.local.url} or {self.remote.url}"
+                )
+            step, tier = found
+        else:
+            tier = next((t for t in self.tiers if step in self.committed_steps(t)), None)
+            if tier is None:
+                raise FileNotFoundError(f"step {step} is committed in no tier")
+        with self.reading(tier, step) as path:
+            reader = DataStatesReader(path, storage_options=tier.storage_options, **reader_options)
+            dcp.load(state_dict, storage_reader=reader)
+        return step
+
+    # -- retention -----------------------------------------------------------------------------
+    def retain(self, tier: Tier) -> list[int]:
+        """Delete committed checkpoints of ``tier`` beyond its ``keep``; returns those deleted."""
+        if tier.keep is None:
+            return []
+        try:
+            steps = self.committed_steps(tier)
+        except Exception:
+            logger.exception("listing %s for retention failed; nothing deleted", tier.url)
+            return []
+        deleted = []
+        for step in steps[: max(0, len(steps) - tier.keep)]:  # never the newest: keep >= 1
+            with self._lock:
+                busy = self._busy[(tier.url, step)] > 0
+                unsafe = tier is self.local and step not in self._mirrored
+                if busy or unsafe:
+                    continue
+                self._busy[(tier.url, step)] += 1
+            try:
+                _delete(tier, step)
+                deleted.append(step)
+            except Exception:
+                logger.exception("deleting %s failed", tier.path(step))
+            finally:
+                with self._lock:
+                    self._busy[(tier.url, step)] -= 1
+        return deleted
+
+    def wait(self) -> None:
+        """Wait until every upload started so far has finished (committed or failed)."""
+        self._uploads.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Wait for local saves and uploads in flight, then release the writer."""
+        with self._lock:
+            queued = list(self._queued)
+        concurrent.futures.wait(queued)  # local saves in flight queue their uploads first
+        self._uploads.shutdown(wait=True)
+        self.writer.close()
+
+
+def _copy_file(source: Storage, target: Storage, name: str) -> int:
+    copied = 0
+    with source.open_read(name) as src, target.open_write(name, sync=True) as dst:
+        while chunk := src.read(_COPY_BYTES):
+            dst.write(chunk)
+            copied += len(chunk)
+    return copied
+
+
+def _delete(tier: Tier, step: int) -> None:
+    storage = tier.storage(step)
+    storage.remove(METADATA_NAME)  # uncommitted first: a crash mid-delete leaves no torn checkpoint
+    if isinstance(storage, LocalStorage):
+        shutil.rmtree(storage.root, ignore_errors=True)
+    else:
+        for name in storage.list_names():
+            storage.remove(name)
+    logger.info("retention: deleted %s", tier.path(step))
+
+
+__all__ = ["MirrorError", "Tier", "TieredCheckpointer", "TieredSave"]

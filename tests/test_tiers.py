@@ -1,0 +1,168 @@
+"""Tiered checkpoints: a local directory at local speed, mirrored to S3 (moto on loopback)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import _s3_server
+import pytest
+import torch
+from _s3_server import Fault, S3Env
+
+from dcp_datastates.format import METADATA_NAME
+from dcp_datastates.tiers import MirrorError, Tier, TieredCheckpointer
+
+moto_server, s3, s3_proxy = _s3_server.moto_server, _s3_server.s3, _s3_server.s3_proxy
+
+TIMEOUT = 30.0
+MiB = 1 << 20
+
+
+def _state(step: int) -> dict[str, Any]:
+    return {"w": torch.full((256, 1024), float(step)), "step": torch.tensor(step)}
+
+
+def _tiers(tmp_path: Path, env: S3Env, **kw: Any) -> TieredCheckpointer:
+    return TieredCheckpointer(
+        Tier(url=str(tmp_path / "local"), keep=kw.pop("keep_local", 2)),
+        Tier(url=env.url("run"), keep=kw.pop("keep_remote", None), storage_options=env.options()),
+        host_pool_bytes=4 * MiB,
+        **kw,
+    )
+
+
+def _local_steps(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "local").iterdir())
+
+
+def test_each_step_commits_locally_then_remotely_and_loads_from_either(
+    tmp_path: Path, s3: S3Env
+) -> None:
+    tiers = _tiers(tmp_path, s3, keep_local=2)
+    try:
+        for step in (1, 2, 3):
+            handle = tiers.save(_state(step), step)
+            handle.local.result(TIMEOUT)
+            assert handle.remote.result(TIMEOUT) == s3.url("run", f"step-{step}")
+            assert handle.local_s is not None and handle.remote_s is not None
+            assert handle.local_s <= handle.remote_s
+        tiers.wait()
+        assert tiers.committed_steps(tiers.remote) == [1, 2, 3]
+        assert _local_steps(tmp_path) == ["step-2", "step-3"]  # keep=2 locally
+        assert s3.open_uploads() == []
+        out = _state(0)
+        assert tiers.load(out, step=1) == 1  # only the remote holds it
+        assert torch.equal(out["w"], _state(1)["w"])
+    finally:
+        tiers.close()
+
+
+def test_upload_holds_neither_the_training_thread_nor_the_pool(
+    tmp_path: Path, s3_proxy: S3Env
+) -> None:
+    """The first upload is held at the server; two more saves still commit locally meanwhile."""
+    release = threading.Event()
+    s3_proxy.proxy.faults.append(
+        Fault("PUT", r"run/step-1/", action=lambda: release.wait(TIMEOUT), times=1)
+    )
+    tiers = _tiers(tmp_path, s3_proxy, keep_local=3)
+    try:
+        first = tiers.save(_state(1), 1)
+        first.local.result(TIMEOUT)
+        later = [tiers.save(_state(s), s) for s in (2, 3)]
+        for handle in later:
+            handle.local.result(TIMEOUT)  # local commits while step 1 is still uploading
+        assert not first.remote.done()
+        release.set()
+        assert [h.remote.result(TIMEOUT) for h in [first, *later]] == [
+            s3_proxy.url("run", f"step-{s}") for s in (1, 2, 3)
+        ]
+    finally:
+        release.set()
+        tiers.close()
+
+
+def test_failed_upload_is_retried_reported_and_its_local_copy_kept(
+    tmp_path: Path, s3_proxy: S3Env
+) -> None:
+    denied = Fault("PUT", r"run/step-1/\.metadata", status=403, code="AccessDenied", times=None)
+    s3_proxy.proxy.faults.append(denied)
+    tiers = _tiers(tmp_path, s3_proxy, keep_local=1, upload_attempts=2)
+    try:
+        handle = tiers.save(_state(1), 1)
+        with pytest.raises(MirrorError, match="step 1.*failed 2 times") as info:
+            handle.remote.result(TIMEOUT)
+        assert "AccessDenied" in str(info.value) and denied.hits == 2
+        assert isinstance(tiers.failed_uploads[1], MirrorError)
+        second = tiers.save(_state(2), 2)
+        second.remote.result(TIMEOUT)
+        tiers.wait()
+        # keep=1 locally, but step 1 exists nowhere else: it stays until it is uploaded.
+        assert _local_steps(tmp_path) == ["step-1", "step-2"]
+        s3_proxy.proxy.faults.clear()
+        assert tiers.mirror(1) == s3_proxy.url("run", "step-1")
+        assert tiers.failed_uploads == {}
+        assert tiers.retain(tiers.local) == [1]
+        assert _local_steps(tmp_path) == ["step-2"]
+    finally:
+        tiers.close()
+
+
+def test_retention_spares_the_newest_and_checkpoints_being_read(tmp_path: Path, s3: S3Env) -> None:
+    tiers = _tiers(tmp_path, s3, keep_local=1, keep_remote=1)
+    try:
+        tiers.save(_state(1), 1).remote.result(TIMEOUT)
+        tiers.wait()
+        with tiers.reading(tiers.remote, 1):
+            tiers.save(_state(2), 2).remote.result(TIMEOUT)
+            tiers.wait()
+            assert tiers.committed_steps(tiers.remote) == [1, 2]  # step 1 is being read
+        assert tiers.retain(tiers.remote) == [1]
+        assert tiers.retain(tiers.remote) == []  # the newest is never deleted
+        assert tiers.committed_steps(tiers.remote) == [2]
+        assert not any(k.startswith("run/step-1/") for k in s3.list_keys())
+    finally:
+        tiers.close()
+
+
+def test_restart_loads_the_newest_step_from_the_fastest_tier_holding_it(
+    tmp_path: Path, s3: S3Env
+) -> None:
+    tiers = _tiers(tmp_path, s3, keep_local=5)
+    try:
+        for step in (1, 2, 3):
+            tiers.save(_state(step), step).remote.result(TIMEOUT)
+    finally:
+        tiers.close()
+    # A step that committed locally only (its upload never ran) is still the newest.
+    shutil.copytree(tmp_path / "local" / "step-3", tmp_path / "local" / "step-4")
+    (tmp_path / "local" / "step-4" / METADATA_NAME).unlink()  # ...but it is not committed
+    restarted = _tiers(tmp_path, s3, keep_local=5)
+    try:
+        step, tier = restarted.latest()
+        assert (step, tier) == (3, restarted.local)
+        shutil.rmtree(tmp_path / "local" / "step-3")  # lost locally: the remote still has it
+        step, tier = restarted.latest()
+        assert (step, tier) == (3, restarted.remote)
+        out = _state(0)
+        assert restarted.load(out) == 3
+        assert torch.equal(out["w"], _state(3)["w"]) and int(out["step"]) == 3
+    finally:
+        restarted.close()
+
+
+def test_tier_refuses_a_bad_keep() -> None:
+    with pytest.raises(ValueError, match="keep=0"):
+        Tier(url="/tmp/x", keep=0)
+
+
+def test_close_right_after_save_still_uploads_and_resolves_remote(
+    tmp_path: Path, s3: S3Env
+) -> None:
+    tiers = _tiers(tmp_path, s3)
+    handle = tiers.save(_state(1), 1)
+    tiers.close()  # waits for the local commit, then for the upload it queued
+    assert handle.remote.done() and handle.remote.result() == s3.url("run", "step-1")
