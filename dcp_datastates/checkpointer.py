@@ -150,6 +150,8 @@ class Checkpointer:
         Raises the error of an earlier background save (once), and ``SystemExit`` after a
         preemption save when ``exit_on_preemption`` is set.
         """
+        if self.preempted:
+            return False  # the final checkpoint is committed; the loop should stop
         self._raise_pending_error()
         if self._preemption_agreed():
             self._final_save(step, app_state)

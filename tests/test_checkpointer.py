@@ -121,6 +121,21 @@ def test_failed_save_is_raised_once_and_keeps_latest(tmp_path: Path) -> None:
     writer.close()
 
 
+def test_requested_preemption_saves_the_current_step(tmp_path: Path) -> None:
+    app = _app()
+    ck = Checkpointer(tmp_path, every_steps=5, exit_on_preemption=False, preemption_signals=())
+    for step in range(1, 7):
+        train_step(app, step, 1)
+        if step == 6:
+            ck.request_preemption()  # what SIGTERM does
+        ck.maybe_save(step, {"app": app})
+    assert ck.preempted and ck.latest_step() == 6 and ck.committed_steps() == [5, 6]
+    assert not ck.maybe_save(10, {"app": app})  # nothing more after the final checkpoint
+    ck.close()
+    step, loaded = _load_digest(tmp_path)
+    assert step == 6 and loaded == digest(app)
+
+
 # -- real processes ------------------------------------------------------------------------------
 def _spawn(workdir: Path, **env: str) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
