@@ -45,7 +45,9 @@ def make_assets(root: Path) -> None:
     words = ["alpha", "beta", "gamma", "delta", "model", "token", "state", "save", "load", "step"]
     lines = []
     for _ in range(TEXT_LINES):
-        idx = torch.randint(0, len(words), (int(torch.randint(20, 60, (1,), generator=g)),), generator=g)
+        idx = torch.randint(
+            0, len(words), (int(torch.randint(20, 60, (1,), generator=g)),), generator=g
+        )
         lines.append(" ".join(words[i] for i in idx.tolist()))
     with open(data / "train.json", "w") as f:  # the file name gives the split
         for line in lines:
@@ -84,14 +86,15 @@ def _patch_torch_for_cpu() -> None:
         return real_barrier(*args, **kwargs)  # gloo barriers take no device id
 
     dist.barrier = barrier
-    if not hasattr(dist, "set_timeout"):  # TorchTitan 0.3.0 calls it; torch 2.13 has the private one
+    if not hasattr(
+        dist, "set_timeout"
+    ):  # TorchTitan 0.3.0 calls it; torch 2.13 has the private one
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
         dist.set_timeout = _set_pg_timeout
 
 
 def _patch_torchtitan_for_cpu() -> None:
-    import torchtitan.models.llama3 as llama3
     from torch.distributed.fsdp import FSDPModule
 
     # TorchTitan sets a gradient divide factor of 1.0, which FSDP2 turns into PREMUL_SUM(1.0):
@@ -123,7 +126,9 @@ def _digest(trainer: Any) -> str:
     for model in trainer.model_parts:
         for name, t in sorted(model.state_dict().items()):
             local = t.to_local() if hasattr(t, "to_local") else t
-            h.update(name.encode() + local.detach().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(
+                name.encode() + local.detach().contiguous().view(torch.uint8).numpy().tobytes()
+            )
     return h.hexdigest()[:16]
 
 
@@ -165,6 +170,7 @@ def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None
     try:
         trainer.train()
         report["manager"] = type(trainer.checkpointer).__name__
+        report["stager"] = type(getattr(trainer.checkpointer, "stager", None)).__name__
         report["step"] = trainer.step
         report["digest"] = _digest(trainer)
         report["ok"] = True

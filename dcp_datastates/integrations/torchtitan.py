@@ -27,9 +27,12 @@ What changes against TorchTitan's own manager (see docs/torchtitan.md):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import re
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +51,7 @@ from ..reader import DataStatesReader
 from ..writer import DataStatesWriter
 
 _HF_INDEX = "model.safetensors.index.json"
+logger = logging.getLogger(__name__)
 
 
 class DataStatesCheckpointManager(CheckpointManager):
@@ -78,6 +82,7 @@ class DataStatesCheckpointManager(CheckpointManager):
         self.ds_config = config
         self._writer: DataStatesWriter | None = None
         self._in_flight_id: str | None = None
+        self._purge_lock = threading.Lock()
         if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             # TorchTitan builds a DefaultStager when `self.stager` is None; our writer is the
             # stager (and `_close` closes it), so that path never runs.
@@ -104,9 +109,11 @@ class DataStatesCheckpointManager(CheckpointManager):
         to_hf: bool = False,
     ) -> Future | AsyncSaveResponse | None:
         if to_hf:  # the last save in HF safetensors: TorchTitan's own HF writer
-            return super().dcp_save(
+            hf = super().dcp_save(
                 state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
             )
+            self._purge_stale_checkpoints()  # TorchTitan does not purge after the last save
+            return hf
         writer = self._get_writer()
         ret: Future | AsyncSaveResponse | None
         if async_mode == AsyncMode.ASYNC:
@@ -126,14 +133,23 @@ class DataStatesCheckpointManager(CheckpointManager):
         if ret is not None:
             self._in_flight_id = checkpoint_id
             done = ret.upload_completion if isinstance(ret, AsyncSaveResponse) else ret
-            done.add_done_callback(lambda _f, c=checkpoint_id: self._landed(c))
+            done.add_done_callback(lambda f, c=checkpoint_id: self._landed(c, f))
+        else:
+            self._purge_stale_checkpoints()
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
 
-    def _landed(self, checkpoint_id: str) -> None:
+    def _landed(self, checkpoint_id: str, fut: Future) -> None:
+        """On DCP's save thread, once an async save ended: it is committed, so retention may
+        now count it (TorchTitan purges only when a save starts)."""
         if self._in_flight_id == checkpoint_id:
             self._in_flight_id = None
+        if fut.exception() is None:
+            try:
+                self._purge_stale_checkpoints()
+            except Exception:  # retention must not turn a committed save into a failure
+                logger.exception("purging old checkpoints after %s failed", checkpoint_id)
 
     # -- load ----------------------------------------------------------------------------------
     def dcp_load(
@@ -163,6 +179,10 @@ class DataStatesCheckpointManager(CheckpointManager):
     def _purge_stale_checkpoints(self) -> None:
         """Keep the ``keep_latest_k`` newest *committed* checkpoints; the save in flight is
         neither counted nor touched (TorchTitan's own purge counts it, hence its k >= 2)."""
+        with self._purge_lock:
+            self._purge_committed()
+
+    def _purge_committed(self) -> None:
         if not self._should_purge():
             return
         committed = []
@@ -174,12 +194,13 @@ class DataStatesCheckpointManager(CheckpointManager):
         committed.sort()
         for _, path in committed[: -self.keep_latest_k]:
             if not filesystem.is_remote(path):  # uncommit first: never a half-deleted "valid" one
-                metadata = os.path.join(path, METADATA_NAME)
-                if os.path.exists(metadata):
-                    os.unlink(metadata)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(path, METADATA_NAME))
             self.purge_queue.put(path)
 
     def _close(self) -> None:
+        if self.save_future is not None:  # an async save in flight commits before we close
+            self.maybe_wait_for_saving()
         super()._close()  # in async_with_pinned_mem, `self.stager` is our writer: closed there
         if self._writer is not None and self._writer is not self.stager:
             self._writer.close()
