@@ -68,7 +68,7 @@ class GatedWriter(DataStatesWriter):
         self.entered, self.gate = threading.Event(), threading.Event()
 
     def finish(self, metadata: Any, results: Any) -> None:
-        if self._save().path.rstrip("/").endswith(self.gated):
+        if self.checkpoint_id.rstrip("/").endswith(self.gated):
             self.entered.set()
             assert self.gate.wait(30), "the test never opened the gate"
         super().finish(metadata, results)
@@ -100,7 +100,7 @@ class FailingWriter(DataStatesWriter):
         self.failing = step_dir_name(failing_step)
 
     def finish(self, metadata: Any, results: Any) -> None:
-        if self._save().path.rstrip("/").endswith(self.failing):
+        if self.checkpoint_id.rstrip("/").endswith(self.failing):
             raise OSError(28, "injected: no space left at commit")
         super().finish(metadata, results)
 
