@@ -109,14 +109,18 @@ def test_failed_save_is_raised_once_and_keeps_latest(tmp_path: Path) -> None:
     writer = FailingWriter(tmp_path, failing_step=4)
     app = _app()
     ck = Checkpointer(tmp_path, every_steps=2, keep_latest_k=1, writer=writer)
-    for step in (1, 2, 3, 4):
+    for step in (1, 2, 3, 4, 5, 6):
         train_step(app, step, 1)
-        ck.maybe_save(step, {"app": app})
-    train_step(app, 5, 1)
+        if step < 5:  # step 5 is skipped: whether step 4's failure has landed yet is a race
+            ck.maybe_save(step, {"app": app})
+    # The save of step 6 first waits for step 4's, and reports its failure.
     with pytest.raises(CheckpointSaveError, match="no space left"):
-        ck.maybe_save(5, {"app": app})
-    ck.maybe_save(5, {"app": app})  # reported once: the loop may go on
+        ck.maybe_save(6, {"app": app})
     assert ck.latest_step() == 2 and ck.committed_steps() == [2]
+    assert ck.maybe_save(6, {"app": app})  # reported once: the loop goes on and saves
+    ck.wait()
+    assert ck.latest_step() == 6 and ck.committed_steps() == [6]
+    assert not _committed(tmp_path, 4)
     ck.close()
     writer.close()
 
