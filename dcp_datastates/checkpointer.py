@@ -70,7 +70,7 @@ class Checkpointer:
             that the save thread never shares a group with the training loop's collectives).
             The preemption vote and the resume broadcast use a gloo group of their own.
         preemption_signals: Signals that request a preemption save; ``()`` installs no handler
-            (handlers can only be installed from the main thread).
+            (nor does a Checkpointer made outside the main thread, where Python allows none).
         preemption_deadline_s: Time from the first signal to the final commit; past it the
             process exits with ``abort_exit_code`` and the previous checkpoint stays ``latest``.
         exit_on_preemption: Raise ``SystemExit(preemption_exit_code)`` once the final
@@ -128,7 +128,15 @@ class Checkpointer:
         self._watchdog: threading.Thread | None = None
         self.preempted = False
         self._old_handlers: dict[int, Any] = {}
-        for signum in preemption_signals:
+        signals = tuple(preemption_signals)
+        if signals and threading.current_thread() is not threading.main_thread():
+            logger.warning(
+                "Checkpointer made outside the main thread: no handler for signals %s; call "
+                "request_preemption() when the job is told to stop",
+                signals,
+            )
+            signals = ()
+        for signum in signals:
             self._old_handlers[signum] = signal.signal(signum, self._on_signal)
 
     # -- ranks ---------------------------------------------------------------------------------
