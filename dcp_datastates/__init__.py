@@ -5,6 +5,7 @@ step may wait), typed state providers and a streaming flush, writing files stock
 """
 
 from .api import async_save
+from .checkpointer import Checkpointer
 from .errors import (
     CheckpointNotCommittedError,
     CheckpointSaveError,
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointNotCommittedError",
     "CheckpointSaveError",
+    "Checkpointer",
     "ChecksumMismatchError",
     "DataStatesError",
     "DataStatesReader",

@@ -1,0 +1,340 @@
+"""``Checkpointer``: periodic async checkpoints for a plain training loop, with preemption saves.
+
+Layout under ``root``::
+
+    root/step_00000100/   a DCP checkpoint (committed once its ``.metadata`` exists)
+    root/latest           the step of the newest committed checkpoint (written atomically)
+
+Rules:
+
+- ``latest`` moves only after a save is durable and committed on every rank (the upload future
+  resolves after the coordinator wrote ``.metadata``), and only rank 0 writes it.
+- Retention (``keep_latest_k``) runs after that move and deletes only committed checkpoints older
+  than the K newest; the one in flight is never among them (at most one save is in flight, and
+  it is newer than every committed one). A checkpoint is deleted ``.metadata`` first, so a
+  half-deleted directory is never mistaken for a committed one.
+- Preemption: a signal (SIGTERM by default) or :meth:`Checkpointer.request_preemption` only sets
+  a flag. At the next :meth:`Checkpointer.maybe_save` every rank agrees (one all-reduce) that a
+  preemption is pending, finishes the save in flight, takes a final checkpoint of the current
+  state if that step is not saved yet, commits it, moves ``latest`` and exits (``SystemExit``).
+  A watchdog bounds all of that by ``preemption_deadline_s``; a second signal or an expired
+  deadline ends the process at once (``os._exit``): ``latest`` still names the previous
+  committed checkpoint, which nothing has touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import signal
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .api import async_save
+from .errors import CheckpointNotCommittedError
+from .format import METADATA_NAME
+from .reader import DataStatesReader
+from .storage import LocalStorage
+from .writer import DataStatesWriter
+
+logger = logging.getLogger(__name__)
+
+LATEST_NAME = "latest"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+#: Exit status when a second signal or the deadline ends the process before the final commit.
+ABORT_EXIT_CODE = 143
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+class Checkpointer:
+    """Save ``app_state`` every ``every_steps`` steps with :class:`DataStatesWriter`, keep the
+    ``keep_latest_k`` newest committed checkpoints, and save once more on preemption.
+
+    Args:
+        root: Local directory holding the checkpoints (shared by all ranks).
+        every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0``.
+        keep_latest_k: Committed checkpoints to keep; ``0`` keeps all.
+        process_group: A CPU-capable group for DCP's collectives (default: a new gloo group, so
+            that the save thread never shares a group with the training loop's collectives).
+            The preemption vote and the resume broadcast use a gloo group of their own.
+        preemption_signals: Signals that request a preemption save; ``()`` installs no handler
+            (nor does a Checkpointer made outside the main thread, where Python allows none).
+        preemption_deadline_s: Time from the first signal to the final commit; past it the
+            process exits with ``abort_exit_code`` and the previous checkpoint stays ``latest``.
+        exit_on_preemption: Raise ``SystemExit(preemption_exit_code)`` once the final
+            checkpoint is committed; otherwise :meth:`maybe_save` returns and :attr:`preempted`
+            is True.
+        writer: A :class:`DataStatesWriter` to reuse (default: one made here, closed by
+            :meth:`close`); ``writer_options`` go to the one made here.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        every_steps: int = 100,
+        keep_latest_k: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+        preemption_signals: Iterable[int] = (signal.SIGTERM,),
+        preemption_deadline_s: float = 120.0,
+        exit_on_preemption: bool = True,
+        preemption_exit_code: int = 0,
+        abort_exit_code: int = ABORT_EXIT_CODE,
+        writer: DataStatesWriter | None = None,
+        **writer_options: Any,
+    ) -> None:
+        if every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+        if keep_latest_k < 0:
+            raise ValueError(f"keep_latest_k must be >= 0 (0 keeps all), got {keep_latest_k}")
+        self.root = os.path.abspath(os.fspath(root))
+        if "://" in os.fspath(root):
+            raise ValueError(f"Checkpointer supports local directories only, got {root!s}")
+        self.every_steps = every_steps
+        self.keep_latest_k = keep_latest_k
+        distributed = dist.is_available() and dist.is_initialized()
+        # Collectives on one group from two threads can pair up wrongly: DCP's save thread and
+        # the training thread (the vote, the user's own collectives) each get a group of their own.
+        if distributed and process_group is None:
+            process_group = dist.new_group(backend="gloo")
+        self.process_group = process_group
+        self._vote_group = dist.new_group(backend="gloo") if distributed else None
+        self.preemption_deadline_s = preemption_deadline_s
+        self.exit_on_preemption = exit_on_preemption
+        self.preemption_exit_code = preemption_exit_code
+        self.abort_exit_code = abort_exit_code
+        self._owns_writer = writer is None
+        self.writer = (
+            writer if writer is not None else DataStatesWriter(self.root, **writer_options)
+        )
+        self._lock = threading.Lock()
+        self._in_flight: tuple[int, threading.Event] | None = None
+        self._error: BaseException | None = None
+        self._committed_step: int | None = None
+        self._requested = threading.Event()
+        self._finished = threading.Event()  # the final checkpoint is committed (or not needed)
+        self._watchdog: threading.Thread | None = None
+        self.preempted = False
+        self._old_handlers: dict[int, Any] = {}
+        signals = tuple(preemption_signals)
+        if signals and threading.current_thread() is not threading.main_thread():
+            logger.warning(
+                "Checkpointer made outside the main thread: no handler for signals %s; call "
+                "request_preemption() when the job is told to stop",
+                signals,
+            )
+            signals = ()
+        for signum in signals:
+            self._old_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    # -- ranks ---------------------------------------------------------------------------------
+    def _dist(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.process_group) if self._dist() else 0
+
+    def _save_kwargs(self) -> dict[str, Any]:
+        if not self._dist():
+            return {"no_dist": True}
+        return {"process_group": self.process_group}
+
+    # -- saving --------------------------------------------------------------------------------
+    def maybe_save(self, step: int, app_state: dict[str, Any]) -> bool:
+        """Call once per step, after the optimizer step; returns True if a save was started.
+
+        Raises the error of an earlier background save (once), and ``SystemExit`` after a
+        preemption save when ``exit_on_preemption`` is set.
+        """
+        if self.preempted:
+            return False  # the final checkpoint is committed; the loop should stop
+        self._raise_pending_error()
+        if self._preemption_agreed():
+            self._final_save(step, app_state)
+            return False
+        if step % self.every_steps != 0:
+            return False
+        return self.save(step, app_state)
+
+    def save(self, step: int, app_state: dict[str, Any]) -> bool:
+        """Start an async save of ``app_state`` as ``step`` (after the one in flight ends)."""
+        self.wait()
+        if step == self._committed_step:
+            return False  # already committed: re-saving would uncommit the one `latest` names
+        path = os.path.join(self.root, step_dir_name(step))
+        response = async_save(app_state, self.writer, checkpoint_id=path, **self._save_kwargs())
+        done = threading.Event()
+        with self._lock:
+            self._in_flight = (step, done)
+        response.upload_completion.add_done_callback(
+            lambda f, s=step, d=done: self._on_done(s, f, d)
+        )
+        return True
+
+    def _on_done(self, step: int, fut: Future[Any], done: threading.Event) -> None:
+        """Runs on DCP's save thread once the save is committed (or failed) on this rank."""
+        exc = fut.exception()
+        if exc is None:
+            try:
+                if self._rank() == 0:
+                    LocalStorage(self.root).put_atomic(LATEST_NAME, f"{step}\n".encode(), sync=True)
+                    self._purge(step)
+            except BaseException as e:  # noqa: BLE001 - reported once through maybe_save/wait
+                exc = e
+        with self._lock:
+            if exc is None:
+                self._committed_step = step
+            else:
+                logger.error("checkpoint of step %d in %s failed: %s", step, self.root, exc)
+                self._error = self._error or exc
+            if self._in_flight is not None and self._in_flight[1] is done:
+                self._in_flight = None
+        done.set()
+
+    def wait(self) -> None:
+        """Wait for the save in flight (committed and ``latest`` moved); raise its error once."""
+        with self._lock:
+            pending = self._in_flight
+        if pending is not None:
+            pending[1].wait()  # set at the end of `_on_done`: committed and `latest` moved
+        self._raise_pending_error()
+
+    def _raise_pending_error(self) -> None:
+        with self._lock:
+            exc, self._error = self._error, None
+        if exc is not None:
+            raise exc
+
+    # -- retention -----------------------------------------------------------------------------
+    def committed_steps(self) -> list[int]:
+        """Steps of the committed checkpoints under ``root``, oldest first."""
+        steps = []
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.root):
+                m = _STEP_DIR.match(name)
+                if m and os.path.exists(os.path.join(self.root, name, METADATA_NAME)):
+                    steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def _purge(self, newest: int) -> None:
+        if self.keep_latest_k == 0:
+            return
+        committed = [s for s in self.committed_steps() if s <= newest]
+        for step in committed[: -self.keep_latest_k]:
+            path = os.path.join(self.root, step_dir_name(step))
+            logger.info("keep_latest_k=%d: deleting checkpoint %s", self.keep_latest_k, path)
+            os.unlink(os.path.join(path, METADATA_NAME))  # uncommit first, then the data
+            shutil.rmtree(path, ignore_errors=True)
+
+    # -- loading -------------------------------------------------------------------------------
+    def latest_step(self) -> int | None:
+        """The step ``latest`` names on this rank's view of ``root``, or None."""
+        try:
+            with open(os.path.join(self.root, LATEST_NAME)) as f:
+                return int(f.read().strip())
+        except FileNotFoundError:
+            return None
+
+    def load_latest(self, app_state: dict[str, Any], **reader_options: Any) -> int | None:
+        """Load the newest committed checkpoint into ``app_state``; returns its step, or None
+        (nothing loaded) if there is none. Rank 0 decides and every rank loads that step."""
+        step = self.latest_step() if self._rank() == 0 else None
+        if step is None and self._rank() == 0:
+            committed = self.committed_steps()  # committed, but killed before `latest` moved
+            step = committed[-1] if committed else None
+        if self._dist():
+            box = [step]
+            dist.broadcast_object_list(box, group_src=0, group=self._vote_group)
+            step = box[0]
+        if step is None:
+            return None
+        path = os.path.join(self.root, step_dir_name(step))
+        if not os.path.exists(os.path.join(path, METADATA_NAME)):
+            raise CheckpointNotCommittedError(
+                f"rank {self._rank()}: {path} (step {step}, named by {LATEST_NAME}) has no "
+                f"{METADATA_NAME}; is {self.root} shared by all ranks?"
+            )
+        reader = DataStatesReader(path, **reader_options)
+        dcp.load(app_state, storage_reader=reader, **self._save_kwargs())
+        self._committed_step = step
+        return step
+
+    # -- preemption ----------------------------------------------------------------------------
+    def request_preemption(self) -> None:
+        """What the signal does: save at the next :meth:`maybe_save`, then exit."""
+        if not self._requested.is_set():
+            self._requested.set()
+            self._watchdog = threading.Thread(
+                target=self._watch, name="dcp-datastates-preemption", daemon=True
+            )
+            self._watchdog.start()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._requested.is_set():
+            logger.error("second signal %d during the preemption save: exiting now", signum)
+            os._exit(self.abort_exit_code)
+        logger.warning("signal %d: checkpointing at the next step, then exiting", signum)
+        self.request_preemption()
+
+    def _watch(self) -> None:
+        if not self._finished.wait(self.preemption_deadline_s):
+            logger.error(
+                "preemption save not committed within %.1fs: exiting; %s still names the "
+                "previous checkpoint",
+                self.preemption_deadline_s,
+                os.path.join(self.root, LATEST_NAME),
+            )
+            os._exit(self.abort_exit_code)
+
+    def _preemption_agreed(self) -> bool:
+        """One all-reduce: a preemption any rank saw is acted on by all, at the same step."""
+        flag = self._requested.is_set()
+        if self._dist():
+            t = torch.tensor([int(flag)])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._vote_group)
+            if t.item() and not flag:
+                self.request_preemption()
+            flag = bool(t.item())
+        return flag
+
+    def _final_save(self, step: int, app_state: dict[str, Any]) -> None:
+        logger.warning("preemption: final checkpoint of step %d in %s", step, self.root)
+        with contextlib.suppress(Exception):
+            self.wait()  # finish the save in flight; a failure there must not stop the final one
+        self.save(step, app_state)
+        self.wait()
+        self.preempted = True
+        self._finished.set()
+        if self.exit_on_preemption:
+            raise SystemExit(self.preemption_exit_code)
+
+    # -- teardown ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for the save in flight, restore signal handlers, close an owned writer."""
+        try:
+            self.wait()
+        finally:
+            for signum, handler in self._old_handlers.items():
+                with contextlib.suppress(ValueError):  # not the main thread
+                    signal.signal(signum, handler)
+            self._old_handlers.clear()
+            if self._owns_writer:
+                self.writer.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""Integrations with training frameworks (import each one explicitly; each needs its framework)."""

@@ -1,0 +1,168 @@
+"""A training loop with a :class:`Checkpointer`, run as a real process by the checkpointer tests.
+
+``python _checkpointer_workers.py train RANK WORLD PORT DIR`` (the arguments of
+``_dist_workers.launch``; WORLD 1 runs without a process group). Settings come from the
+environment (``CK_*``, see ``_settings``). Every step prints one line
+``step N digest D latest L`` (flushed), so a test can wait on the output instead of sleeping;
+the rank's report (``DIR/rank{RANK}.json``) lists the digests per step and how the run ended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _dist_workers import _init  # noqa: E402
+
+from dcp_datastates import DataStatesWriter  # noqa: E402
+from dcp_datastates.checkpointer import Checkpointer  # noqa: E402
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class App(Stateful):
+    """Model, optimizer and the loop's own counter: what a plain loop checkpoints."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim, self.extra = model, optim, {"seen": 0}
+
+    # get_state_dict gives a fresh optimizer its state entries, so that DCP has a target for
+    # them when loading (a fresh optimizer's own state_dict() has none).
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        return {"model": model_sd, "optim": optim_sd, **self.extra}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
+        self.extra["seen"] = sd["seen"]
+
+
+def digest(app: App) -> str:
+    h = hashlib.sha256()
+    for t in list(app.model.state_dict().values()):
+        h.update(t.detach().numpy().tobytes())
+    for st in app.optim.state_dict()["state"].values():
+        for v in st.values():
+            h.update(v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+    h.update(str(app.extra["seen"]).encode())
+    return h.hexdigest()[:16]
+
+
+def train_step(app: App, step: int, world: int) -> None:
+    g = torch.Generator().manual_seed(step)  # the batch of a step depends only on the step
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    loss = torch.nn.functional.mse_loss(app.model(x), y)
+    loss.backward()
+    if world > 1:
+        for p in app.model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    app.optim.step()
+    app.optim.zero_grad()
+    app.extra["seen"] += 8
+
+
+class BlockingWriter(DataStatesWriter):
+    """Fault injection: the commit of every save after the first ``free`` ones never ends."""
+
+    free = 1
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        type(self).free -= 1
+        if type(self).free < 0:
+            print("finish blocked", flush=True)
+            threading.Event().wait()
+        super().finish(metadata, results)
+
+
+def _settings() -> dict[str, Any]:
+    e = os.environ
+    return {
+        "every": int(e.get("CK_EVERY", "5")),
+        "keep": int(e.get("CK_KEEP", "0")),
+        "max_steps": int(e.get("CK_MAX_STEPS", "100000")),
+        "deadline": float(e.get("CK_DEADLINE", "60")),
+        "block_after": int(e.get("CK_BLOCK_AFTER", "-1")),  # commits allowed before blocking
+        "self_signal": e.get("CK_SELF_SIGNAL", ""),  # "RANK:STEP": that rank SIGTERMs itself
+    }
+
+
+def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None:
+    assert scenario == "train", scenario
+    cfg = _settings()
+    if world > 1:
+        _init(rank, world, port)
+    report: dict[str, Any] = {"ok": False, "digests": {}, "ended": "running"}
+    report_path = workdir / f"rank{rank}.json"
+    model = Model()
+    app = App(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    root = workdir / "ckpt"
+    writer = None
+    if cfg["block_after"] >= 0:
+        BlockingWriter.free = cfg["block_after"]
+        writer = BlockingWriter(root)
+    ck = Checkpointer(
+        root,
+        every_steps=cfg["every"],
+        keep_latest_k=cfg["keep"],
+        preemption_deadline_s=cfg["deadline"],
+        writer=writer,
+    )
+    try:
+        start = ck.load_latest({"app": app})
+        report["resumed"] = start
+        print(f"resumed {start} digest {digest(app)}", flush=True)
+        step = start or 0
+        while step < cfg["max_steps"]:
+            step += 1
+            train_step(app, step, world)
+            report["digests"][step] = digest(app)
+            if cfg["self_signal"] == f"{rank}:{step}":
+                os.kill(os.getpid(), signal.SIGTERM)
+            line = f"step {step} digest {report['digests'][step]} latest {ck.latest_step()}"
+            print(line, flush=True)
+            try:
+                ck.maybe_save(step, {"app": app})
+            except SystemExit:
+                report["ended"] = f"preempted {step}"
+                print(f"preempted {step}", flush=True)
+                raise
+        ck.close()
+        report["ended"] = "finished"
+        report["ok"] = True
+    except SystemExit:
+        report["ok"] = True
+        ck.close()
+        raise
+    finally:
+        report_path.write_text(json.dumps(report))
+        if world > 1:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))

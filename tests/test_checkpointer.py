@@ -1,0 +1,271 @@
+"""Checkpointer: periodic saves, ``latest`` only after commit, retention, preemption, two ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _checkpointer_workers import App, Model, digest, train_step
+from _dist_workers import check_all_ok, launch
+
+from dcp_datastates import CheckpointSaveError, DataStatesWriter
+from dcp_datastates.checkpointer import Checkpointer, step_dir_name
+
+WORKER = str(Path(__file__).with_name("_checkpointer_workers.py"))
+
+
+def _app() -> App:
+    model = Model()
+    return App(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def _committed(root: Path, step: int) -> bool:
+    return (root / step_dir_name(step) / ".metadata").exists()
+
+
+def test_saves_every_n_keeps_k_and_resumes_bit_exactly(tmp_path: Path) -> None:
+    app, seen = _app(), {}
+    with Checkpointer(tmp_path, every_steps=3, keep_latest_k=2) as ck:
+        for step in range(1, 11):
+            train_step(app, step, 1)
+            seen[step] = digest(app)
+            ck.maybe_save(step, {"app": app})
+    assert ck.committed_steps() == [6, 9]
+    assert not (tmp_path / step_dir_name(3)).exists()
+    assert ck.latest_step() == 9
+
+    fresh = _app()
+    with Checkpointer(tmp_path, every_steps=3) as ck2:
+        assert ck2.load_latest({"app": fresh}) == 9
+    assert digest(fresh) == seen[9]
+    for step in (10, 11):  # the resumed run goes on exactly as the first one did
+        train_step(fresh, step, 1)
+    train_step(app, 11, 1)
+    assert digest(fresh) == digest(app)
+
+
+def test_load_latest_without_checkpoint_returns_none(tmp_path: Path) -> None:
+    app = _app()
+    before = digest(app)
+    with Checkpointer(tmp_path / "empty") as ck:
+        assert ck.load_latest({"app": app}) is None
+    assert digest(app) == before
+
+
+class GatedWriter(DataStatesWriter):
+    """Holds the commit of one checkpoint until the test opens the gate."""
+
+    def __init__(self, *args: Any, gated_step: int, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.gated = step_dir_name(gated_step)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        if self.checkpoint_id.rstrip("/").endswith(self.gated):
+            self.entered.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        super().finish(metadata, results)
+
+
+def test_latest_and_retention_wait_for_the_commit(tmp_path: Path) -> None:
+    writer = GatedWriter(tmp_path, gated_step=4)
+    app = _app()
+    with Checkpointer(tmp_path, every_steps=2, keep_latest_k=1, writer=writer) as ck:
+        for step in (1, 2, 3, 4):
+            train_step(app, step, 1)
+            ck.maybe_save(step, {"app": app})
+        assert writer.entered.wait(30)
+        # Step 4's data is written and its commit is in progress: nothing has moved yet.
+        assert ck.latest_step() == 2
+        assert _committed(tmp_path, 2) and not _committed(tmp_path, 4)
+        writer.gate.set()
+        ck.wait()
+        assert ck.latest_step() == 4
+        assert ck.committed_steps() == [4]
+    writer.close()
+
+
+class FailingWriter(DataStatesWriter):
+    """The commit of one checkpoint fails, as a full disk at commit time would."""
+
+    def __init__(self, *args: Any, failing_step: int, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.failing = step_dir_name(failing_step)
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        if self.checkpoint_id.rstrip("/").endswith(self.failing):
+            raise OSError(28, "injected: no space left at commit")
+        super().finish(metadata, results)
+
+
+def test_failed_save_is_raised_once_and_keeps_latest(tmp_path: Path) -> None:
+    writer = FailingWriter(tmp_path, failing_step=4)
+    app = _app()
+    ck = Checkpointer(tmp_path, every_steps=2, keep_latest_k=1, writer=writer)
+    for step in (1, 2, 3, 4, 5, 6):
+        train_step(app, step, 1)
+        if step < 5:  # step 5 is skipped: whether step 4's failure has landed yet is a race
+            ck.maybe_save(step, {"app": app})
+    # The save of step 6 first waits for step 4's, and reports its failure.
+    with pytest.raises(CheckpointSaveError, match="no space left"):
+        ck.maybe_save(6, {"app": app})
+    assert ck.latest_step() == 2 and ck.committed_steps() == [2]
+    assert ck.maybe_save(6, {"app": app})  # reported once: the loop goes on and saves
+    ck.wait()
+    assert ck.latest_step() == 6 and ck.committed_steps() == [6]
+    assert not _committed(tmp_path, 4)
+    ck.close()
+    writer.close()
+
+
+def test_requested_preemption_saves_the_current_step(tmp_path: Path) -> None:
+    app = _app()
+    ck = Checkpointer(tmp_path, every_steps=5, exit_on_preemption=False, preemption_signals=())
+    for step in range(1, 7):
+        train_step(app, step, 1)
+        if step == 6:
+            ck.request_preemption()  # what SIGTERM does
+        ck.maybe_save(step, {"app": app})
+    assert ck.preempted and ck.latest_step() == 6 and ck.committed_steps() == [5, 6]
+    assert not ck.maybe_save(10, {"app": app})  # nothing more after the final checkpoint
+    ck.close()
+    step, loaded = _load_digest(tmp_path)
+    assert step == 6 and loaded == digest(app)
+
+
+# -- real processes ------------------------------------------------------------------------------
+def _spawn(workdir: Path, **env: str) -> subprocess.Popen:
+    workdir.mkdir(parents=True, exist_ok=True)
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    full_env.update({f"CK_{k.upper()}": v for k, v in env.items()})
+    cmd = [sys.executable, WORKER, "train", "0", "1", "0", str(workdir)]
+    return subprocess.Popen(
+        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _lines_until(proc: subprocess.Popen, pred: Any, log: list[str]) -> str:
+    """Read the worker's output until a line satisfies ``pred``; fail if it ends first."""
+    for line in proc.stdout:
+        log.append(line)
+        if pred(line):
+            return line
+    raise AssertionError("worker ended before the awaited line:\n" + "".join(log[-40:]))
+
+
+def _step_line(min_step: int, latest: int) -> Any:
+    def pred(line: str) -> bool:
+        p = line.split()
+        return p[:1] == ["step"] and int(p[1]) >= min_step and p[5] == str(latest)
+
+    return pred
+
+
+def _finish(proc: subprocess.Popen, log: list[str]) -> tuple[int, str]:
+    rest, _ = proc.communicate(timeout=120)
+    log.append(rest)
+    return proc.returncode, "".join(log)
+
+
+def _digests(text: str) -> dict[int, str]:
+    out = {}
+    for line in text.splitlines():
+        p = line.split()
+        if p[:1] == ["step"]:
+            out[int(p[1])] = p[3]
+    return out
+
+
+def _reference_digests(steps: int) -> dict[int, str]:
+    """An uninterrupted run's digest after each step, computed here."""
+    app, out = _app(), {}
+    for step in range(1, steps + 1):
+        train_step(app, step, 1)
+        out[step] = digest(app)
+    return out
+
+
+def _load_digest(root: Path) -> tuple[int | None, str]:
+    app = _app()
+    with Checkpointer(root) as ck:
+        step = ck.load_latest({"app": app})
+    return step, digest(app)
+
+
+@pytest.mark.slow
+def test_sigterm_mid_training_commits_a_final_checkpoint(tmp_path: Path) -> None:
+    proc, log = _spawn(tmp_path / "run", every="5"), []
+    _lines_until(proc, _step_line(7, 5), log)  # step 5 is committed and training goes on
+    proc.send_signal(signal.SIGTERM)
+    rc, text = _finish(proc, log)
+    assert rc == 0, text
+    final = int(next(ln for ln in text.splitlines() if ln.startswith("preempted")).split()[1])
+    assert final >= 7
+    digests = _digests(text)
+    root = tmp_path / "run" / "ckpt"
+    step, loaded = _load_digest(root)
+    assert step == final and loaded == digests[final]
+
+    # Restarted, the run continues exactly as an uninterrupted one.
+    resumed, rlog = _spawn(tmp_path / "run", every="5", max_steps=str(final + 3)), []
+    rc, rtext = _finish(resumed, rlog)
+    assert rc == 0, rtext
+    assert f"resumed {final}" in rtext
+    ref = _reference_digests(final + 3)
+    assert _digests(rtext)[final + 3] == ref[final + 3]
+    assert digests[final] == ref[final]
+
+
+@pytest.mark.slow
+def test_second_signal_during_the_final_save_keeps_the_previous(tmp_path: Path) -> None:
+    # The first commit goes through; the final save's commit hangs until the second signal.
+    proc, log = _spawn(tmp_path, every="5", block_after="1"), []
+    _lines_until(proc, _step_line(6, 5), log)
+    proc.send_signal(signal.SIGTERM)
+    _lines_until(proc, lambda ln: ln.startswith("finish blocked"), log)
+    proc.send_signal(signal.SIGTERM)
+    rc, text = _finish(proc, log)
+    assert rc == 143, text
+    root = tmp_path / "ckpt"
+    step, loaded = _load_digest(root)
+    assert step == 5 and loaded == _digests(text)[5]
+    assert len([p for p in root.iterdir() if p.name.startswith("step_")]) == 2
+
+
+@pytest.mark.slow
+def test_expired_deadline_keeps_the_previous(tmp_path: Path) -> None:
+    proc, log = _spawn(tmp_path, every="5", block_after="1", deadline="2"), []
+    _lines_until(proc, _step_line(6, 5), log)
+    proc.send_signal(signal.SIGTERM)
+    rc, text = _finish(proc, log)
+    assert rc == 143 and "finish blocked" in text, text
+    step, loaded = _load_digest(tmp_path / "ckpt")
+    assert step == 5 and loaded == _digests(text)[5]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_agree_on_preemption_and_resume(tmp_path: Path, monkeypatch: Any) -> None:
+    # Only rank 1 gets the signal (at step 7); both ranks must save step 7 and stop there.
+    monkeypatch.setenv("CK_EVERY", "5")
+    monkeypatch.setenv("CK_SELF_SIGNAL", "1:7")
+    results = launch("train", tmp_path / "run", script=WORKER, timeout=120)
+    check_all_ok(results)
+    assert [r.report["ended"] for r in results] == ["preempted 7", "preempted 7"]
+    monkeypatch.delenv("CK_SELF_SIGNAL")
+    monkeypatch.setenv("CK_MAX_STEPS", "9")
+    resumed = launch("train", tmp_path / "run", script=WORKER, timeout=120)
+    check_all_ok(resumed)
+    assert [r.report["resumed"] for r in resumed] == [7, 7]
+    # Both ranks see the same batches, so the uninterrupted two-rank run (mean of equal
+    # gradients) is bit for bit the one-process run.
+    ref = _reference_digests(9)
+    assert [r.report["digests"]["7"] for r in results] == [ref[7]] * 2
+    assert [r.report["digests"][s] for r in resumed for s in ("8", "9")] == [ref[8], ref[9]] * 2
