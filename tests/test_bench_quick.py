@@ -22,6 +22,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+MiB = 1 << 20
 
 SAVE_SYSTEMS = {
     "stock dcp.save t1",
@@ -113,7 +114,9 @@ def test_save_times_are_ordered_and_memory_is_reported(quick_run: dict[str, Any]
         assert f["blocked_s"] <= f["safe_s"] + 1e-6 <= f["durable_s"] + 2e-6, r
         assert r["bytes"] > 0 and r["tensors"] > 0
         assert all(math.isfinite(v) for v in r["memory"].values())
-        assert r["memory"]["maxrss_bytes"] > r["memory"]["base_rss_bytes"] > 0
+        # Linux batches RSS counters per thread (up to 64 pages each), so the kernel's peak can
+        # read a little under an RSS sampled earlier from /proc: allow a few MiB of that skew.
+        assert r["memory"]["maxrss_bytes"] > r["memory"]["base_rss_bytes"] - 4 * MiB > 0
 
 
 def test_load_covers_both_checkpoints_cold_and_warm(quick_run: dict[str, Any]) -> None:

@@ -92,12 +92,15 @@ def test_writers_made_by_async_save_are_closed_when_their_save_ends(tmp_path: Pa
     async_save(state, tmp_path / "warm", no_dist=True).upload_completion.result(timeout=BOUNDED_S)
     # The warm-up save's DCP thread exits just after it resolves the future: count without it.
     wait_until(lambda: not _save_threads(), BOUNDED_S, "the warm-up save thread to end")
-    threads, fds = threading.active_count(), open_fds()
+    # Compare thread sets, not counts: a thread an earlier test left may end meanwhile.
+    threads, fds = set(threading.enumerate()), open_fds()
     for i in range(5):
         response = async_save(state, tmp_path / f"c{i}", no_dist=True)
         response.upload_completion.result(timeout=BOUNDED_S)
     # DCP's save thread exits just after it resolves the future: wait for it, not for ours.
-    wait_until(lambda: threading.active_count() == threads, BOUNDED_S, "the save threads to end")
+    wait_until(
+        lambda: not set(threading.enumerate()) - threads, BOUNDED_S, "the save threads to end"
+    )
     assert open_fds() == fds
 
 
