@@ -1,10 +1,46 @@
-"""Exception types. Each message says what failed, where (rank, item, path) and what to do."""
+"""Exception types. Each message says what failed, where (rank, item, path) and what to do.
+
+Every type survives pickling with its message and attributes: DCP gathers each rank's failure
+on the coordinator by pickling it, and an error that cannot be rebuilt there replaces the real
+cause with a ``TypeError`` (and can leave the other ranks waiting in a collective).
+"""
 
 from __future__ import annotations
+
+import pickle
+from typing import Any
 
 
 class DataStatesError(Exception):
     """Base class of every error raised by dcp_datastates."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if isinstance(self, OSError):  # OSError pickles errno, strerror, filename and __dict__
+            return super().__reduce__()
+        # Rebuilt without calling __init__, whose signature subclasses are free to choose.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[BaseException], args: tuple, state: dict[str, Any]) -> BaseException:
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives a pickle round trip, else a :class:`DataStatesError` that carries
+    its type and message (chained to it), so that DCP can ship it to the coordinator.
+
+    Our own types always survive; this covers errors from user providers or storage backends.
+    """
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        err = DataStatesError(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
+        err.__cause__ = exc
+        return err
 
 
 class InvalidStateDictError(DataStatesError, ValueError):
@@ -14,14 +50,27 @@ class InvalidStateDictError(DataStatesError, ValueError):
 class SnapshotMutationError(DataStatesError):
     """A tensor changed in place before its snapshot was taken: the checkpoint would be torn."""
 
-    def __init__(self, *, fqn: str, rank: int, before: int, after: int) -> None:
+    def __init__(
+        self, *, fqn: str, rank: int, before: int, after: int, unversioned: bool = False
+    ) -> None:
+        how = (
+            "its bytes changed without a version bump (a write through .data, .numpy() or a "
+            "torch.from_numpy view, which the optimizer guard cannot hold back)"
+            if unversioned
+            else f"version {before} -> {after}"
+        )
         super().__init__(
             f"rank {rank}: tensor {fqn!r} was modified in place while its snapshot was in flight "
-            f"(version {before} -> {after}); the checkpoint was not committed. Keep "
-            "guard_optimizer_step=True, or wait for staging_completion before changing the state."
+            f"({how}); the checkpoint was not committed. Keep guard_optimizer_step and "
+            "guard_forward on, change tensors through ordinary in-place ops; state that changes "
+            "before optimizer.step() outside a forward belongs in a module's buffers (or wait "
+            "for staging_completion before changing it)."
         )
         self.fqn = fqn
         self.rank = rank
+        self.before = before
+        self.after = after
+        self.unversioned = unversioned
 
 
 class StorageWriteError(DataStatesError, OSError):

@@ -6,6 +6,11 @@ returns a future at once and a background thread copies every tensor into *one* 
 segment per save (not one per tensor: thousands of segments exhaust file descriptors); the
 optimizer guard makes the next step wait for it. DCP waits for the future before sending the
 copy, and the daemon's writer streams it to storage.
+
+Each tensor is read through a ``TensorProvider``, as in the THREAD executor, so the same
+protections hold: small tensors are copied during ``stage()`` (``eager_copy_bytes``), the forward
+gate copies module buffers before forward updates them (``guard_forward``), and the version
+counter and sampled bytes catch any other change.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .errors import InvalidStateDictError, SnapshotMutationError
+from .errors import InvalidStateDictError
 from .planner import check_state_dict
+from .providers.tensor import TensorProvider
+from .snapshot import forward_gate as _forward_gate
 from .snapshot import guard as _guard
 
 logger = logging.getLogger(__name__)
@@ -34,13 +41,55 @@ class ProcessStaging:
     staged: Future[None]  # resolves when the copy is complete (or failed)
 
 
+class _StagedDTensor:
+    """A staged DTensor on its way to the daemon: pickles as its local tensor and its spec, and
+    unpickles there as a DTensor.
+
+    Not a DTensor here because pickling a DTensor whose local tensor is a view at a non-zero
+    offset into a shared-memory segment crashes the process (SIGSEGV in torch 2.13), and every
+    staged tensor is such a view (one segment per save). The plain view pickles fine.
+    """
+
+    def __init__(self, local: torch.Tensor, spec: Any) -> None:
+        self.local = local
+        self.spec = spec
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_dtensor, (self.local, self.spec))
+
+
+def _rebuild_dtensor(local: torch.Tensor, spec: Any) -> DTensor:
+    # The constructor, not DTensor.from_local: from_local would move a CPU copy back to the mesh's
+    # device (a GPU), and would record an autograd op.
+    return DTensor(local, spec, requires_grad=False)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def stage_for_process(state_dict: dict[str, Any], *, guard: bool) -> ProcessStaging:
+class _Protected:
+    """What the forward gate needs of a staging: its tensors, its future, its figures."""
+
+    def __init__(self, providers: list[TensorProvider], staged: Future[None]) -> None:
+        self.providers = providers
+        self.staged = staged
+        self.forward_frozen_bytes = 0
+        self.forward_blocked_s = 0.0
+
+    def raw_providers(self) -> list[TensorProvider]:
+        return [p for p in self.providers if p.nbytes > 0]
+
+
+def stage_for_process(
+    state_dict: dict[str, Any],
+    *,
+    guard: bool,
+    guard_forward: bool = True,
+    eager_copy_bytes: int = 0,
+) -> ProcessStaging:
     check_state_dict(state_dict)
-    sources: list[tuple[str, torch.Tensor, int]] = []  # (fqn, live tensor, version)
+    sources: list[TensorProvider] = []  # each live tensor, read through a provider
     offsets: list[int] = []
     total = 0
 
@@ -48,14 +97,8 @@ def stage_for_process(state_dict: dict[str, Any], *, guard: bool) -> ProcessStag
         nonlocal total
         if isinstance(value, DTensor):
             local = plan(value.to_local(), fqn)
-            return lambda buf: DTensor.from_local(
-                local(buf),
-                value.device_mesh,
-                value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
+            spec = value._spec  # mesh, placements, global shape/stride/dtype: all it takes
+            return lambda buf: _StagedDTensor(local(buf), spec)
         if isinstance(value, torch.Tensor):
             if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
                 raise InvalidStateDictError(
@@ -65,7 +108,7 @@ def stage_for_process(state_dict: dict[str, Any], *, guard: bool) -> ProcessStag
             t = value.detach()
             total += (-total) % 64
             start = total
-            sources.append((fqn, t, t._version))
+            sources.append(TensorProvider(fqn, t))
             offsets.append(start)
             total += _nbytes(t)
             return lambda buf: buf[start : start + _nbytes(t)].view(t.dtype).view(t.shape)
@@ -82,25 +125,31 @@ def stage_for_process(state_dict: dict[str, Any], *, guard: bool) -> ProcessStag
     build: Callable[[torch.Tensor], Any] = plan(state_dict, "")
     result: Future[Any] = Future()
     staged: Future[None] = Future()
+    for provider in sources:
+        provider.note_part()  # one copy each, into its place in the segment
+        if 0 < provider.nbytes <= eager_copy_bytes:
+            provider.freeze()
     if guard:
         _guard.guard(staged)
+    if guard_forward:
+        _forward_gate.protect(_Protected(sources, staged))
 
     def run() -> None:
+        rank = _rank()
         try:
             buf = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()
             staged_dict = build(buf)
-            for (fqn, src, version), start in zip(sources, offsets, strict=True):
-                n = _nbytes(src)
+            for provider, start in zip(sources, offsets, strict=True):
+                n = provider.nbytes
                 if n:
-                    buf[start : start + n].view(src.dtype).view(src.shape).copy_(src)
-                if src._version != version:
-                    raise SnapshotMutationError(
-                        fqn=fqn, rank=_rank(), before=version, after=src._version
-                    )
+                    provider.copy_into(buf[start : start + n], 0, n)
+                provider.check_unchanged(rank)
             result.set_result(staged_dict)
         except BaseException as exc:  # reaches the caller through DCP's upload future
             result.set_exception(exc)
         finally:
+            for provider in sources:
+                provider.release()  # hold no reference to the caller's tensors any more
             staged.set_result(None)
 
     threading.Thread(target=run, name="datastates-process-stage", daemon=True).start()
@@ -111,3 +160,23 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+_daemon_runtimes: dict[Any, Any] = {}
+_daemon_lock = threading.Lock()
+
+
+def daemon_runtime(options: Any, make: Callable[[], Any]) -> Any:
+    """The one writer runtime (pool and threads) per options of this process, for writers that
+    were unpickled here.
+
+    DCP's checkpoint daemon unpickles a new writer for every save request and never closes it:
+    each would allocate its own pool and threads and leave them behind (6 saves of 48 MiB grew
+    the daemon by 3 threads and ~96 MiB per save). Sharing one runtime keeps the daemon flat and
+    reuses the pool, as one long-lived writer would; the daemon runs its saves one at a time.
+    """
+    with _daemon_lock:
+        runtime = _daemon_runtimes.get(options)
+        if runtime is None:
+            runtime = _daemon_runtimes[options] = make()
+        return runtime

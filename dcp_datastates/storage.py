@@ -55,6 +55,10 @@ class Storage(Protocol):
         """Names of the files in the directory (empty if it does not exist)."""
         ...
 
+    def sync_dirs(self, *, parents: bool = False) -> None:
+        """Make the directory's entries (and with ``parents`` the directories above it) durable."""
+        ...
+
 
 class RangedFile(Protocol):
     """A file read by position, safe to use from several threads at once."""
@@ -142,6 +146,14 @@ def _write_error(exc: OSError, where: str, rank: int | None = None) -> StorageWr
     return err
 
 
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class LocalStorage:
     """A directory on a local (or locally mounted) file system."""
 
@@ -193,11 +205,21 @@ class LocalStorage:
             f.write(data)
         os.replace(self.describe(tmp), self.describe(name))
         if sync:
-            fd = os.open(self.root, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            self.sync_dirs()
+
+    def sync_dirs(self, *, parents: bool = False) -> None:
+        """``fsync`` the directory, so that files created, renamed or removed in it survive a
+        power loss; with ``parents``, every directory above it too, so that a directory made by
+        this save (and any it made above it) is itself durable. A directory with nothing new
+        costs next to nothing to fsync."""
+        _fsync_dir(self.root)
+        path = self.root
+        while parents and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+            # Best effort above the checkpoint: a parent we may not open (permissions) or that
+            # cannot be fsynced (EINVAL on some file systems) must not fail the save.
+            with contextlib.suppress(OSError):
+                _fsync_dir(path)
 
     def open_read(self, name: str) -> BinaryIO:
         return open(self.describe(name), "rb")  # noqa: SIM115
@@ -260,6 +282,9 @@ class FsspecStorage:
 
     def put_atomic(self, name: str, data: bytes, *, sync: bool) -> None:
         self.fs.pipe_file(self._path(name), data)
+
+    def sync_dirs(self, *, parents: bool = False) -> None:
+        """Nothing to do: an object store has no directories to make durable."""
 
     def open_read(self, name: str) -> BinaryIO:
         return self.fs.open(self._path(name), "rb")

@@ -55,11 +55,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import _dcp_private
 from . import commit as _commit
-from .errors import InvalidStateDictError, WriterUsageError
+from .errors import InvalidStateDictError, WriterUsageError, portable
 from .format import METADATA_NAME
 from .options import WriterOptions
 from .planner import plan_providers, provider_from_any_planner
-from .process_staging import stage_for_process
+from .process_staging import daemon_runtime, stage_for_process
 from .snapshot.engine import SnapshotSession
 from .snapshot.runtime import SnapshotRuntime
 from .stats import SaveStats
@@ -139,6 +139,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._init_runtime_state()
 
     def _init_runtime_state(self) -> None:
+        self._unpickled = False
         self._runtime = SnapshotRuntime(self.options, self.path)
         # A writer dropped without close() gives its pool and threads back when collected.
         # The runtime and its threads never refer to the writer, so collection can happen.
@@ -169,6 +170,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._init_runtime_state()
+        # DCP's checkpoint daemon unpickles a new writer for every request and never closes it:
+        # they all share one runtime (pool and threads) per options, so the daemon stays flat.
+        self._finalizer.detach()  # the shared runtime outlives every writer unpickled here
+        self._unpickled = True
+        self._runtime = daemon_runtime(
+            self.options, lambda: SnapshotRuntime(self.options, "the checkpoint daemon")
+        )
 
     def close(self, timeout: float | None = None) -> None:
         """Refuse new saves from now on, wait for the saves already staged or writing to end,
@@ -178,8 +186,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         staged by calling ``stage()`` directly, which no save will write, is dropped. With
         ``timeout``, saves still open after that many seconds fail with
         :class:`~dcp_datastates.errors.SnapshotAbortedError`. Calling it again is a no-op.
+        A writer unpickled in DCP's checkpoint daemon leaves the daemon's shared runtime open.
         """
-        self._runtime.close(timeout)
+        if not self._unpickled:
+            self._runtime.close(timeout)
         self._finalizer.detach()
 
     @property
@@ -194,7 +204,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         call = self._which_call()
         _refuse_file_target(call.checkpoint_id or self.path)
         if call.mode == "process":
-            staged = stage_for_process(state_dict, guard=self.options.guard_optimizer_step)
+            staged = stage_for_process(
+                state_dict,
+                guard=self.options.guard_optimizer_step,
+                guard_forward=self.options.guard_forward,
+                eager_copy_bytes=self.options.eager_copy_bytes,
+            )
             self._process_staged = staged.staged
             self._local.staged_stats = None
             return staged.result
@@ -301,7 +316,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                     f"{save.storage.describe(METADATA_NAME)} exists and overwrite=False; save to a "
                     "new path or pass overwrite=True"
                 )
-            _commit.uncommit(save.storage)
+            _commit.uncommit(save.storage, sync=self.options.sync_files)
             logger.warning("overwriting the checkpoint at %s", save.storage.describe(""))
         return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]
 
@@ -460,7 +475,7 @@ def _to_torch_future(fut: Future[Any]) -> torch.futures.Future:
     def relay(f: Future[Any]) -> None:
         exc = f.exception()
         if exc is not None:
-            out.set_exception(exc)
+            out.set_exception(portable(exc))  # DCP pickles it to the coordinator
         else:
             out.set_result(f.result())
 

@@ -50,3 +50,25 @@ def test_process_executor_save_holds_values_at_call_time(
     for fqn in ("sharded", "replicated_dt", "plain"):
         assert torch.equal(target[fqn], expected[fqn]), f"{fqn}: the save saw a later mutation"
     assert target["meta"] == expected["meta"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_process_executor_saves_dtensors_on_two_ranks_and_the_daemon_stays_flat(
+    tmp_path: Path,
+) -> None:
+    """DTensors staged for the daemon used to crash every rank (SIGSEGV while DCP pickled them),
+    and the daemon kept a pool and threads per request. Four saves on two gloo ranks, each
+    mutated as soon as staging completes, each loaded back and compared on its rank."""
+    from _cross_rank_workers import launch_ranks
+
+    results = launch_ranks("process-dtensor", tmp_path, timeout=170)
+    check_all_ok(results)
+    for r in results:
+        assert r.report["differs"] == [], f"rank {r.rank}: {r.report['differs']}"
+    daemon = results[0].report["daemon"]
+    assert len(daemon) == 4 and len({d["pid"] for d in daemon}) == 1
+    threads = [d["threads"] for d in daemon]
+    assert threads == [threads[0]] * len(threads), f"daemon threads grew per save: {threads}"
+    growth = daemon[-1]["rss"] - daemon[0]["rss"]
+    assert growth < 16 << 20, f"daemon RSS grew {growth / 2**20:.0f} MiB over 3 saves"

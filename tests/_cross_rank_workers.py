@@ -1,0 +1,243 @@
+"""Worker processes for failures that cross ranks and for DCP's PROCESS executor with DTensors.
+
+``python _cross_rank_workers.py SCENARIO RANK WORLD PORT DIR`` (run through ``launch_ranks``):
+
+    errors-MODE      rank 1's writer fails each save with one public error type after another
+                     (MODE: ``ours`` for ``dcp_datastates.async_save``, ``dcp`` for
+                     ``dcp.async_save``); every rank reports, per type, how its future failed and
+                     how long that took.
+    process-dtensor  several saves of DTensors through ``AsyncCheckpointerType.PROCESS``; after
+                     each save rank 0 reports the checkpoint daemon's thread count and RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _dist_workers import (  # noqa: E402
+    FUTURE_TIMEOUT_S,
+    RankResult,
+    _init,
+    _mutate,
+    _rank_state,
+    launch,
+)
+
+#: The cause every injected error carries, so a test can find it in what each rank saw.
+CAUSE = "injected cross-rank cause"
+
+
+def sample_errors() -> dict[str, BaseException]:
+    """One instance of every public error type, built as the library builds it."""
+    import errno
+
+    from dcp_datastates import errors
+
+    return {
+        "SnapshotMutationError": errors.SnapshotMutationError(
+            fqn=f"w ({CAUSE})", rank=1, before=3, after=4
+        ),
+        "StorageWriteError": errors.StorageWriteError(errno.EIO, f"rank 1: {CAUSE}", "/x/__1_0"),
+        "SnapshotAbortedError": errors.SnapshotAbortedError(f"rank 1: {CAUSE}"),
+        "InvalidStateDictError": errors.InvalidStateDictError(f"rank 1: {CAUSE}"),
+        "ChecksumMismatchError": errors.ChecksumMismatchError(f"rank 1: {CAUSE}"),
+        "UnsafeCheckpointError": errors.UnsafeCheckpointError(f"rank 1: {CAUSE}"),
+        "CheckpointNotCommittedError": errors.CheckpointNotCommittedError(
+            errno.ENOENT, f"rank 1: {CAUSE}", "/x/.metadata"
+        ),
+        "CheckpointSaveError": errors.CheckpointSaveError(
+            f"rank 1: {CAUSE}", {1: errors.DataStatesError(CAUSE)}
+        ),
+        "DataStatesError": errors.DataStatesError(f"rank 1: {CAUSE}"),
+        "WriterUsageError": errors.WriterUsageError(f"rank 1: {CAUSE}"),
+        "WriterClosedError": errors.WriterClosedError(f"rank 1: {CAUSE}"),
+    }
+
+
+class UserProviderError(Exception):
+    """What a user's provider might raise: a keyword-only ``__init__`` cannot be unpickled."""
+
+    def __init__(self, *, item: str) -> None:
+        super().__init__(f"{item}: {CAUSE}")
+
+
+def injected_errors() -> dict[str, BaseException]:
+    """Every public error type, and a user error that does not survive pickling."""
+    return {**sample_errors(), "UserProviderError": UserProviderError(item="w")}
+
+
+def _injecting_writer(kind: list[str]) -> Any:
+    """A real writer whose data files fail to open with ``injected_errors()[kind[0]]``, so the
+    error travels the real path: flush thread, the writer's future, DCP's gather."""
+    import contextlib
+
+    from dcp_datastates import DataStatesWriter
+    from dcp_datastates.format import DATA_SUFFIX
+    from dcp_datastates.storage import LocalStorage
+
+    class RaisingStorage(LocalStorage):
+        @contextlib.contextmanager
+        def open_write(self, name: str, *, sync: bool) -> Any:
+            if name.endswith(DATA_SUFFIX):
+                raise injected_errors()[kind[0]]
+            with super().open_write(name, sync=sync) as f:
+                yield f
+
+    class InjectingWriter(DataStatesWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            save = self._save()
+            save.storage = RaisingStorage(save.storage.root)
+            return super().write_data(plan, planner)
+
+    return InjectingWriter
+
+
+def _errors(mode: str, rank: int, world_size: int, port: int, workdir: Path) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter, async_save
+
+    _init(rank, world_size, port)
+    kind = [""]
+    writer = _injecting_writer(kind)(workdir / "x") if rank == 1 else DataStatesWriter(workdir)
+    report: dict[str, Any] = {}
+    for name in injected_errors():
+        kind[0] = name
+        state = _rank_state(world_size)
+        path = str(workdir / name)
+        start = time.monotonic()
+        if mode == "dcp":
+            upload = dcp.async_save(state, storage_writer=writer, checkpoint_id=path)
+        else:
+            upload = async_save(state, writer, checkpoint_id=path).upload_completion
+        seen: dict[str, Any] = {"failed": False}
+        try:
+            upload.result(timeout=FUTURE_TIMEOUT_S)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            failures = getattr(exc, "failures", None) or {}
+            causes = {str(r): (e[0] if isinstance(e, tuple) else e) for r, e in failures.items()}
+            seen = {
+                "failed": True,
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "failed_ranks": sorted(int(r) for r in failures),
+                "cause_types": {r: type(e).__name__ for r, e in causes.items()},
+                "cause_messages": {r: str(e) for r, e in causes.items()},
+            }
+        seen["seconds"] = time.monotonic() - start
+        report[name] = seen
+        print(f"rank {rank}: {name}: {seen}", flush=True)
+        dist.barrier()
+    writer.close()
+    dist.destroy_process_group()
+    return report
+
+
+def _daemon_figures() -> dict[str, int]:
+    """Threads and RSS of DCP's checkpoint daemon (this process's one multiprocessing child)."""
+    import multiprocessing
+
+    import psutil
+
+    children = multiprocessing.active_children()  # not psutil's: spawn adds a resource tracker
+    if len(children) != 1:
+        raise AssertionError(f"expected one checkpoint daemon, found {children}")
+    daemon = psutil.Process(children[0].pid)
+    return {"pid": daemon.pid, "threads": daemon.num_threads(), "rss": daemon.memory_info().rss}
+
+
+def _process_dtensor(rank: int, world_size: int, port: int, workdir: Path) -> dict[str, Any]:
+    """Saves ``SAVES`` DTensor states through the PROCESS executor; the state is changed as soon
+    as staging completes; every checkpoint is loaded back here and compared with its values."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.tensor import DTensor
+
+    from dcp_datastates import DataStatesReader, DataStatesWriter, async_save
+
+    saves = int(os.environ.get("CROSS_RANK_SAVES", "4"))
+    _init(rank, world_size, port)
+    report: dict[str, Any] = {"daemon": [], "differs": []}
+    # A fat extra tensor so that a leaked pool per save shows in the daemon's RSS.
+    big = torch.zeros(int(os.environ.get("CROSS_RANK_BIG_MIB", "16")) << 18)
+    try:
+        for i in range(saves):
+            state = _rank_state(world_size)
+            state["big"] = big + i
+            expected = {
+                k: (v.to_local() if isinstance(v, DTensor) else v).clone()
+                for k, v in state.items()
+                if k != "meta"
+            }
+            path = workdir / f"save{i}"
+            kind = AsyncCheckpointerType.PROCESS
+            if i % 2:
+                response = async_save(state, path, async_checkpointer_type=kind)
+            else:
+                response = dcp.async_save(
+                    state, storage_writer=DataStatesWriter(path), async_checkpointer_type=kind
+                )
+            response.staging_completion.result(timeout=FUTURE_TIMEOUT_S)
+            _mutate(state)
+            response.upload_completion.result(timeout=FUTURE_TIMEOUT_S)
+            if rank == 0:
+                report["daemon"].append(_daemon_figures())
+            target = _rank_state(world_size)
+            target["big"] = torch.empty_like(big)
+            for v in target.values():
+                if isinstance(v, DTensor):
+                    v.to_local().zero_()
+            dcp.load(target, storage_reader=DataStatesReader(path))
+            for k, v in expected.items():
+                got = target[k].to_local() if isinstance(target[k], DTensor) else target[k]
+                if not torch.equal(got, v):
+                    report["differs"].append(f"save{i}:{k}")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return report
+
+
+def launch_ranks(
+    scenario: str, workdir: Path, *, world_size: int = 2, timeout: float = 90.0
+) -> list[RankResult]:
+    """Run ``scenario`` of this module on ``world_size`` fresh gloo processes."""
+    return launch(scenario, workdir, world_size=world_size, timeout=timeout, script=__file__)
+
+
+def main(argv: list[str]) -> int:
+    scenario, rank, world_size = argv[0], int(argv[1]), int(argv[2])
+    port, workdir = int(argv[3]), Path(argv[4])
+    try:
+        if scenario.startswith("errors-"):
+            report = _errors(scenario[7:], rank, world_size, port, workdir)
+        elif scenario == "process-dtensor":
+            report = _process_dtensor(rank, world_size, port, workdir)
+        else:
+            raise ValueError(f"unknown scenario {scenario!r}")
+        report["ok"] = True
+    except BaseException:
+        traceback.print_exc()
+        report = {"ok": False, "traceback": traceback.format_exc()}
+    (workdir / f"rank{rank}.json").write_text(json.dumps(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":  # the guard also keeps DCP's spawned daemon from re-running a scenario
+    code = main(sys.argv[1:])
+    if sys.argv[1] == "process-dtensor":
+        sys.exit(code)  # DCP's daemon is torn down at normal exit
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as in _dist_workers: skip torch's gloo teardown once the report is written

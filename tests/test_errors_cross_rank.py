@@ -1,0 +1,87 @@
+"""Errors that cross ranks: DCP gathers each rank's failure on the coordinator by pickling it.
+
+An error type that cannot be unpickled there (``SnapshotMutationError`` had a keyword-only
+``__init__``) turned the real cause into a ``TypeError`` on the coordinator and left the other
+rank waiting in a collective until the process-group timeout.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+from pathlib import Path
+
+import pytest
+from _cross_rank_workers import CAUSE, UserProviderError, injected_errors, launch_ranks
+from _dist_workers import check_all_ok
+from _faults_util import BOUNDED_S
+
+from dcp_datastates import errors
+
+
+def _public_error_types() -> set[str]:
+    return {
+        name
+        for name, obj in vars(errors).items()
+        if inspect.isclass(obj) and issubclass(obj, errors.DataStatesError)
+    }
+
+
+def test_every_public_error_type_survives_pickling_with_its_attributes() -> None:
+    samples = {k: v for k, v in injected_errors().items() if k != "UserProviderError"}
+    assert set(samples) == _public_error_types(), "add a sample of the new error type"
+    for name, err in samples.items():
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err), name
+        assert str(back) == str(err) and back.args == err.args, name
+        assert set(vars(back)) == set(vars(err)), name
+        for attr, value in vars(err).items():
+            if attr == "failures":  # exceptions compare by identity: compare what they say
+                assert {r: str(e) for r, e in back.failures.items()} == {
+                    r: str(e) for r, e in value.items()
+                }
+            else:
+                assert getattr(back, attr) == value, f"{name}.{attr}"
+        if isinstance(err, OSError):
+            assert (back.errno, back.filename) == (err.errno, err.filename), name
+    mutation = pickle.loads(pickle.dumps(samples["SnapshotMutationError"]))
+    assert (mutation.rank, mutation.before, mutation.after) == (1, 3, 4)
+
+
+def test_an_error_that_cannot_be_unpickled_is_made_portable_keeping_its_cause() -> None:
+    err = UserProviderError(item="w")
+    with pytest.raises(TypeError):
+        pickle.loads(pickle.dumps(err))
+    portable = errors.portable(err)
+    back = pickle.loads(pickle.dumps(portable))
+    assert isinstance(back, errors.DataStatesError)
+    assert "UserProviderError" in str(back) and CAUSE in str(back)
+    assert portable.__cause__ is err
+    ours = errors.InvalidStateDictError("x")
+    assert errors.portable(ours) is ours
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "mode", ["ours", "dcp"], ids=["dcp_datastates.async_save", "dcp.async_save"]
+)
+def test_each_error_kind_on_one_rank_fails_every_rank_naming_that_rank_and_the_cause(
+    tmp_path: Path, mode: str
+) -> None:
+    results = launch_ranks(f"errors-{mode}", tmp_path, timeout=140)
+    check_all_ok(results)
+    for r in results:
+        for kind in injected_errors():
+            seen = r.report[kind]
+            where = f"rank {r.rank}, {kind}"
+            assert seen["failed"], f"{where}: the save succeeded"
+            assert seen["type"] == (
+                "CheckpointSaveError" if mode == "ours" else "CheckpointException"
+            )
+            assert seen["failed_ranks"] == [1], where
+            cause = "DataStatesError" if kind == "UserProviderError" else kind
+            assert seen["cause_types"] == {"1": cause}, where
+            assert CAUSE in seen["cause_messages"]["1"] and CAUSE in seen["message"], where
+            assert "rank 1" in seen["message"].lower(), where
+            assert seen["seconds"] < BOUNDED_S, f"{where}: took {seen['seconds']:.1f}s"
