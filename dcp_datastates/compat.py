@@ -98,6 +98,12 @@ def writer_options(
             f"DataStatesWriter(per_thread_copy_ahead={per_thread_copy_ahead!r}): expected a "
             "non-negative int (accepted for compatibility; the host pool bounds copies ahead)"
         )
+    unknown = sorted(set(options) - set(WriterOptions.names()))
+    if unknown:
+        raise TypeError(
+            f"DataStatesWriter got unknown option(s) {', '.join(unknown)}; the options are "
+            f"{', '.join(WriterOptions.names())}"
+        )
     merged = dict(options, sync_files=sync_files, overwrite=overwrite)
     if thread_count is not None:
         if "flush_workers" in merged and merged["flush_workers"] != thread_count:

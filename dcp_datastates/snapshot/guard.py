@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -19,9 +20,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_pending: set[Future[None]] = set()
+#: Staged futures optimizer steps wait for, each with who to tell how long a step waited.
+_pending: dict[Future[None], Callable[[float], None] | None] = {}
 _handle: Any = None
-#: Seconds optimizer steps spent waiting on snapshots, for stats and tests.
+#: Seconds optimizer steps spent waiting on snapshots (all writers), for tests and logs.
 waited_seconds = 0.0
 waits = 0
 
@@ -29,11 +31,15 @@ waits = 0
 def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     global waited_seconds, waits
     with _lock:
-        pending = [f for f in _pending if not f.done()]
+        pending = [(f, cb) for f, cb in _pending.items() if not f.done()]
     if not pending:
         return
     start = time.perf_counter()
-    wait(pending)
+    for staged, on_wait in pending:
+        wait([staged])
+        if on_wait is not None:
+            # This snapshot held the step back from its start until it completed.
+            on_wait(time.perf_counter() - start)
     waited = time.perf_counter() - start
     with _lock:
         waited_seconds += waited
@@ -41,19 +47,20 @@ def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
     logger.debug("optimizer step waited %.3fs for %d snapshot(s)", waited, len(pending))
 
 
-def guard(staged: Future[None]) -> None:
-    """Make optimizer steps wait for ``staged`` until it resolves."""
+def guard(staged: Future[None], on_wait: Callable[[float], None] | None = None) -> None:
+    """Make optimizer steps wait for ``staged`` until it resolves; ``on_wait(seconds)`` is told
+    how long each step that waited was held back by it."""
     global _handle
     with _lock:
         if _handle is None:
             _handle = register_optimizer_step_pre_hook(_pre_step_hook)
-        _pending.add(staged)
+        _pending[staged] = on_wait
     staged.add_done_callback(_forget)
 
 
 def _forget(staged: Future[None]) -> None:
     with _lock:
-        _pending.discard(staged)
+        _pending.pop(staged, None)
 
 
 def pending_snapshots() -> int:

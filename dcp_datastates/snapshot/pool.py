@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -20,6 +21,15 @@ from .. import _cuda
 logger = logging.getLogger(__name__)
 
 ALIGN = 64
+
+
+#: Every pool not yet collected, for leak checks (``live_pools``).
+_LIVE: weakref.WeakSet[HostPool] = weakref.WeakSet()
+
+
+def live_pools() -> list[HostPool]:
+    """Pools that still hold their buffer (allocated and not closed)."""
+    return [p for p in list(_LIVE) if p.allocated_bytes]
 
 
 def _align(n: int) -> int:
@@ -42,6 +52,7 @@ class HostPool:
         self._head = 0
         self.in_use = 0
         self.peak_in_use = 0
+        _LIVE.add(self)
 
     @property
     def allocated_bytes(self) -> int:
@@ -135,3 +146,12 @@ class HostPool:
             if self._blocks:
                 raise RuntimeError(f"host pool closed with {len(self._blocks)} blocks in use")
             self._buffer = None
+
+    def discard(self) -> None:
+        """Drop the buffer whatever is in use (its owner is gone; nothing reads it any more)."""
+        with self._cond:
+            self._buffer = None
+            self._blocks.clear()
+            self._by_offset.clear()
+            self.in_use = 0
+            self._cond.notify_all()
