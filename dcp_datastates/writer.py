@@ -303,7 +303,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 )
             self._unclaimed = (session, threading.current_thread(), stats)
         if self.options.guard_optimizer_step:
-            _guard.guard(session.staged)
+            fence = session.fence_on_device if self.options.guard_on_device else None
+            _guard.guard(session.staged, fence)
         self._runtime.scheduler.submit(session)
         self._last_staged = session.staged
         session.created = start
