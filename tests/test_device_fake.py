@@ -18,9 +18,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import EVENT_TIMEOUT_S, MiB, assert_same_state, failure_of, load_like, pool_drains
+from crc32c import crc32c
 
 import cuda_ext
 from dcp_datastates import CheckpointSaveError, SnapshotMutationError, _cuda, async_save
+from dcp_datastates.bounce import BounceBuffers
 from dcp_datastates.format import METADATA_NAME
 from dcp_datastates.providers.tensor import TensorProvider
 from dcp_datastates.snapshot import guard
@@ -34,6 +36,7 @@ from dcp_datastates.snapshot.device import (
 from dcp_datastates.snapshot.device_fake import FakeDevice
 from dcp_datastates.snapshot.engine import ADMITTED, COPIED, SnapshotScheduler, SnapshotSession
 from dcp_datastates.snapshot.pool import HostPool
+from dcp_datastates.storage import LocalStorage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -360,3 +363,51 @@ def test_the_cuda_layer_is_importable_and_idle_without_a_gpu() -> None:
     pinned = [t for t in threading.enumerate() if t.name == "datastates-pin"]
     assert not pinned
     assert COPIED  # the engine's state names are what the docs describe
+
+
+@pytest.mark.parametrize("nbytes", [0, 1000, 4096, 10_000])
+def test_bounce_buffers_fill_a_target_region_by_region_with_the_record_checksum(
+    tmp_path: Path, nbytes: int
+) -> None:
+    head, tail = b"H" * 37, b"T" * 11
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    record = b"xx" + head + data.numpy().tobytes() + tail
+    (tmp_path / "f").write_bytes(record)
+    target = torch.zeros(nbytes // 4, dtype=torch.float32) if nbytes % 4 == 0 else None
+    target = target if target is not None else torch.zeros(nbytes, dtype=torch.uint8)
+    bounces = BounceBuffers(1024, pin=False)  # several regions, two buffers
+    got_head, got_tail = bytearray(len(head)), bytearray(len(tail))
+
+    ranged = LocalStorage(tmp_path).open_ranged("f")
+    try:
+        crc, got = bounces.fill(
+            target,
+            ranged.read_into,
+            data_at=2 + len(head),
+            head=got_head,
+            tail=got_tail,
+            checksum=True,
+        )
+    finally:
+        ranged.close()
+    assert got == len(record) - 2
+    assert crc == crc32c(record[2:])
+    assert (bytes(got_head), bytes(got_tail)) == (head, tail)
+    assert torch.equal(target.reshape(-1).view(torch.uint8), data)
+
+
+def test_bounce_buffers_report_a_short_read(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"\0" * 3000)  # the record says 5000 bytes of data
+    ranged = LocalStorage(tmp_path).open_ranged("f")
+    try:
+        _, got = BounceBuffers(1024, pin=False).fill(
+            torch.zeros(5000, dtype=torch.uint8),
+            ranged.read_into,
+            data_at=0,
+            head=bytearray(),
+            tail=bytearray(),
+            checksum=True,
+        )
+    finally:
+        ranged.close()
+    assert got == 3000
