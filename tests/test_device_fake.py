@@ -10,6 +10,9 @@ future. The same round trips run through every device layer that runs here (one 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -411,3 +414,18 @@ def test_bounce_buffers_report_a_short_read(tmp_path: Path) -> None:
     finally:
         ranged.close()
     assert got == 3000
+
+
+def test_the_gpu_check_exits_cleanly_saying_so_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: run scripts/gpu_check.sh itself")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_check.sh")],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA device" in done.stdout
