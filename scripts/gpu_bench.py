@@ -16,11 +16,14 @@ Three measurements, each against stock DCP in the same run:
   default) and waiting on the host, and for the stock systems.
 
 Progress goes to stderr; a figure's ``target_met`` says whether its target held.
+``--cpu-dry-run`` runs the same code on CPU tensors at tiny sizes (no figure means anything): CI
+uses it so that the script cannot rot on machines without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -41,12 +44,23 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from dcp_datastates import DataStatesWriter, async_save
 
 GiB = 1 << 30
-PINNED_STAGING = StagingOptions(
-    use_pinned_memory=True,
-    use_shared_memory=False,
-    use_async_staging=True,
-    use_non_blocking_copy=True,
-)
+#: Where the benchmark's state lives; cpu only for --cpu-dry-run.
+DEVICE = torch.device("cuda")
+
+
+def pinned_staging() -> StagingOptions:
+    on_gpu = DEVICE.type == "cuda"
+    return StagingOptions(
+        use_pinned_memory=on_gpu,
+        use_shared_memory=False,
+        use_async_staging=True,
+        use_non_blocking_copy=on_gpu,
+    )
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def emit(**fields: Any) -> None:
@@ -69,7 +83,7 @@ class Timed:
     """Blocked and safe-to-mutate times of one save call, from the caller's side."""
 
     def __init__(self, call: Callable[[], Any], staging: Callable[[Any], Any]) -> None:
-        torch.cuda.synchronize()
+        sync()
         safe_at: list[float] = []
         t0 = time.perf_counter()
         returned = call()
@@ -100,7 +114,7 @@ class Systems:
         self.pool_bytes, self.root = pool_bytes, root
         self.writer = DataStatesWriter(root, host_pool_bytes=pool_bytes)
         self.host_writer: DataStatesWriter | None = None
-        self.stager = DefaultStager(PINNED_STAGING)
+        self.stager = DefaultStager(pinned_staging())
 
     def ours(self, state: dict, path: Path) -> Timed:
         return Timed(
@@ -141,26 +155,30 @@ class Systems:
 
 def plain_pinned_copy_s(state: dict[str, torch.Tensor], rounds: int) -> float:
     """Best time of one pinned non-blocking copy of every tensor on a side stream."""
+    on_gpu = DEVICE.type == "cuda"
     bufs = {
-        k: torch.empty(state_bytes(v), dtype=torch.uint8, pin_memory=True) for k, v in state.items()
+        k: torch.empty(state_bytes(v), dtype=torch.uint8, pin_memory=on_gpu)
+        for k, v in state.items()
     }
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream() if on_gpu else None
     best = float("inf")
     for _ in range(rounds):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for k, v in state.items():
-                bufs[k].copy_(v.reshape(-1).view(torch.uint8), non_blocking=True)
-        stream.synchronize()
+                bufs[k].copy_(v.reshape(-1).view(torch.uint8), non_blocking=on_gpu)
+        if stream is not None:
+            stream.synchronize()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
 def bench_d2h_and_save(gb: float, tensors: int, rounds: int, root: Path) -> None:
     per = max(1, int(gb * GiB) // tensors // 4)
-    state = {f"t{i}": torch.randn(per, device="cuda") for i in range(tensors)}
+    state = {f"t{i}": torch.randn(per, device=DEVICE) for i in range(tensors)}
     nbytes = state_bytes(state)
     log(f"d2h/save: {tensors} tensors, {nbytes / GiB:.2f} GiB")
     plain = plain_pinned_copy_s(state, rounds)
@@ -207,7 +225,12 @@ class LM(nn.Module):
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(
             nn.TransformerEncoderLayer(
-                width, width // 128, 4 * width, dropout=0.0, batch_first=True, norm_first=True
+                width,
+                max(1, width // 128),
+                4 * width,
+                dropout=0.0,
+                batch_first=True,
+                norm_first=True,
             )
             for _ in range(layers)
         )
@@ -220,20 +243,23 @@ class LM(nn.Module):
         return self.head(h)
 
 
-def bench_train(width: int, layers: int, steps: int, every: int, root: Path) -> None:
-    vocab, batch, seq = 32000, 8, 1024
-    model = LM(width, layers, vocab).cuda()
+def bench_train(
+    width: int, layers: int, steps: int, every: int, root: Path, tokens_shape=(8, 1024)
+) -> None:
+    vocab = 32000 if DEVICE.type == "cuda" else 512
+    batch, seq = tokens_shape
+    model = LM(width, layers, vocab).to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, vocab, (batch, seq), device="cuda")
+    tokens = torch.randint(0, vocab, (batch, seq), device=DEVICE)
 
     def step() -> float:
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             loss = model(tokens).float().logsumexp(-1).mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t0
 
     for _ in range(3):
@@ -256,7 +282,7 @@ def bench_train(width: int, layers: int, steps: int, every: int, root: Path) -> 
                 if pending is not None:
                     _upload(pending.returned).result()
                     shutil.rmtree(root / f"{name}_{k - 1}", ignore_errors=True)
-                torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter()
                 pending = getattr(systems, name)(_sd(model, opt), root / f"{name}_{k}")
                 blocked.append(pending.blocked_s)
@@ -293,7 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where checkpoints are written")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the script")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="CPU tensors, tiny sizes")
     args = parser.parse_args(argv)
+    if args.cpu_dry_run:
+        global DEVICE
+        DEVICE = torch.device("cpu")
+        root = Path(tempfile.mkdtemp(prefix="dcp-datastates-gpu-", dir=args.dir))
+        try:
+            bench_d2h_and_save(0.01, 8, 1, root / "d2h")
+            bench_train(64, 1, 4, 2, root / "train", tokens_shape=(2, 16))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return 0
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to measure")
         return 0

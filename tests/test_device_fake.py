@@ -10,6 +10,7 @@ future. The same round trips run through every device layer that runs here (one 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -429,3 +430,23 @@ def test_the_gpu_check_exits_cleanly_saying_so_without_a_gpu() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "no CUDA device" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_runs_end_to_end_on_cpu_tensors(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, str(root / "scripts" / "gpu_bench.py"), "--cpu-dry-run"],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    kinds = [(f["figure"], f.get("system")) for f in figures]
+    assert ("d2h_gbps", None) in kinds
+    systems = {"ours", "ours_host_wait", "stock_default", "stock_pinned"}
+    assert {s for f, s in kinds if f == "train_step_dip"} == systems
+    assert {s for f, s in kinds if f == "save_times"} == systems - {"ours_host_wait"}
