@@ -450,3 +450,40 @@ def test_the_gpu_benchmark_runs_end_to_end_on_cpu_tensors(tmp_path: Path) -> Non
     systems = {"ours", "ours_host_wait", "stock_default", "stock_pinned"}
     assert {s for f, s in kinds if f == "train_step_dip"} == systems
     assert {s for f, s in kinds if f == "save_times"} == systems - {"ours_host_wait"}
+
+
+def test_the_pool_pins_in_the_background_on_the_creating_threads_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    release = threading.Event()
+    calls: list[tuple[int, int | None, str]] = []
+
+    def pin(nbytes: int, device: int | None = None) -> torch.Tensor:
+        calls.append((nbytes, device, threading.current_thread().name))
+        release.wait(EVENT_TIMEOUT_S)  # pinning tens of GB takes seconds
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(_cuda, "pinning", lambda: True)
+    monkeypatch.setattr(_cuda, "current_device", lambda: 3)  # this rank's device
+    monkeypatch.setattr(_cuda, "allocate_host_buffer", pin)
+    pool = HostPool(MiB)  # returns at once: the pinning runs on its own thread
+    reserved, got = _in_background(lambda: pool.reserve(4096, cancelled=lambda: False))
+
+    assert not got  # the first reserve waits for the pinned buffer
+    release.set()
+    reserved.join(EVENT_TIMEOUT_S)
+    assert got == [0] and calls == [(MiB, 3, "datastates-pin")]
+    pool.release(0)
+    pool.close()
+
+
+def test_a_failed_pinning_is_reported_by_the_first_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
+    def pin(nbytes: int, device: int | None = None) -> torch.Tensor:
+        raise RuntimeError("cuMemHostAlloc failed: CUDA_ERROR_OUT_OF_MEMORY")
+
+    monkeypatch.setattr(_cuda, "pinning", lambda: True)
+    monkeypatch.setattr(_cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_cuda, "allocate_host_buffer", pin)
+    pool = HostPool(MiB)
+    with pytest.raises(RuntimeError, match="pinning the .* host pool failed.*OUT_OF_MEMORY"):
+        pool.reserve(4096, cancelled=lambda: False)
