@@ -65,6 +65,10 @@ class BounceBuffers:
         flat = target.reshape(-1).view(torch.uint8)
         nbytes = flat.numel()
         stream = self._stream(target.device)
+        if stream is not None:
+            # This reading thread works on the target's device: its pinned buffers and copies
+            # belong to that device's context, never to device 0 by default.
+            torch.cuda.set_device(target.device)
         buffers = self._buffers()
         # Kept across records: a buffer's last copy may still be running when the next one starts.
         done: list[torch.cuda.Event | None] = self._local.done
@@ -72,7 +76,6 @@ class BounceBuffers:
         step = self.region_bytes
         starts = list(range(0, max(nbytes, 1), step))
         if stream is not None:
-            torch.cuda.set_device(target.device)  # this worker thread's device is the target's
             # The target's earlier work (its allocation, a zero fill) comes first.
             stream.wait_stream(torch.cuda.current_stream(target.device))
         for i, start in enumerate(starts):

@@ -140,7 +140,9 @@ class Fetch:
         self.fallbacks: list[str] = []  # stock records loaded whole with torch.load
         self._lock = threading.Lock()
         self._files: dict[str, RangedFile] = {}
-        self._pin = torch.cuda.is_available() and any(t.is_cuda for t in targets.values())
+        cuda = [t.device for t in targets.values() if t.is_cuda]
+        self._pin = torch.cuda.is_available() and bool(cuda)
+        self._device = cuda[0] if cuda else None  # pinned memory in this rank's context
         self._bounces = BounceBuffers(options.split_bytes, pin=self._pin)
 
     # -- driving ------------------------------------------------------------------------------
@@ -161,7 +163,7 @@ class Fetch:
                 for f in self._files.values():
                     f.close()
                 if self._pin:
-                    torch.cuda.synchronize()  # the non-blocking copies out of pinned memory
+                    torch.cuda.synchronize(self._device)  # the non-blocking copies, side streams
         if self.fallbacks:
             logger.info(
                 "%d stock record(s) loaded whole with torch.load (their data offset could not "
@@ -347,6 +349,8 @@ class Fetch:
         return target if fits else None
 
     def _bounce(self, nbytes: int) -> torch.Tensor:
+        if self._pin:
+            torch.cuda.set_device(self._device)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
 
     # -- shared ---------------------------------------------------------------------------------
