@@ -6,10 +6,10 @@ import logging
 import pickle
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ._dcp_private import StorageInfo
 from .errors import DataStatesError
 from .format import MANIFEST_NAME, METADATA_NAME, RecordInfo, encode_manifest, manifest_key
 from .storage import Storage, _write_error
@@ -42,7 +42,7 @@ def commit(
     for rank_results in results:
         for wr in rank_results:
             info: RecordInfo = wr.storage_data
-            storage_data[wr.index] = _StorageInfo(info.relative_path, info.offset, info.length)
+            storage_data[wr.index] = StorageInfo(info.relative_path, info.offset, info.length)
             entries[manifest_key(wr.index.fqn, wr.index.offset)] = info
     manifest = encode_manifest(entries, world_size=len(results), torch_version=torch.__version__)
     _put(storage, MANIFEST_NAME, manifest, sync=sync, rank=rank)

@@ -19,12 +19,12 @@ import pickle
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
+from ._dcp_private import set_element
 from .errors import CheckpointNotCommittedError, ChecksumMismatchError
 from .fetch import Fetch, FetchOptions, Record
 from .format import (

@@ -19,6 +19,7 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ._dcp_private import PRIVATE_METADATA_GLOBALS
 from .errors import ChecksumMismatchError, UnsafeCheckpointError
 from .storage import FsspecStorage, LocalStorage
 
@@ -27,29 +28,29 @@ _HOW_TO_TRUST = (
 )
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED: frozenset[tuple[str, str]] = frozenset(
-    {
-        (_DCP_METADATA, "Metadata"),
-        (_DCP_METADATA, "MetadataIndex"),
-        (_DCP_METADATA, "TensorStorageMetadata"),
-        (_DCP_METADATA, "BytesStorageMetadata"),
-        (_DCP_METADATA, "ChunkStorageMetadata"),
-        (_DCP_METADATA, "TensorProperties"),
-        (_DCP_METADATA, "StorageMeta"),
-        # TensorProperties pickles its memory format as this enum's value.
-        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        # torch.layout pickles as _get_layout("torch.strided"): a dict lookup, nothing else.
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        # Stock FileSystemWriter stores StorageMeta.checkpoint_id as a Path.
-        ("pathlib", "Path"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "PureWindowsPath"),
-    }
+_ALLOWED: frozenset[tuple[str, str]] = (
+    frozenset(
+        {
+            (_DCP_METADATA, "Metadata"),
+            (_DCP_METADATA, "MetadataIndex"),
+            (_DCP_METADATA, "TensorStorageMetadata"),
+            (_DCP_METADATA, "BytesStorageMetadata"),
+            (_DCP_METADATA, "ChunkStorageMetadata"),
+            (_DCP_METADATA, "TensorProperties"),
+            (_DCP_METADATA, "StorageMeta"),
+            ("torch", "Size"),
+            # torch.layout pickles as _get_layout("torch.strided"): a dict lookup, nothing else.
+            ("torch.serialization", "_get_layout"),
+            ("collections", "OrderedDict"),
+            # Stock FileSystemWriter stores StorageMeta.checkpoint_id as a Path.
+            ("pathlib", "Path"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("pathlib", "PurePosixPath"),
+            ("pathlib", "PureWindowsPath"),
+        }
+    )
+    | PRIVATE_METADATA_GLOBALS
 )
 _TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
 

@@ -88,10 +88,9 @@ def pool_drains(writer: DataStatesWriter) -> bool:
     Copies already queued when a save fails still run (and then release their blocks), so the
     pool empties shortly after the failure is reported, not at the same instant.
     """
-    runtime = writer._runtime
-    if runtime is None:
+    pool = writer._runtime.pool
+    if pool is None:
         return True
-    pool = runtime.pool
     with pool._cond:
         return pool._cond.wait_for(lambda: pool.in_use == 0, timeout=EVENT_TIMEOUT_S)
 

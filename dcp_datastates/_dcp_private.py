@@ -1,0 +1,151 @@
+"""Every use of a PyTorch DCP name that is not public API, in one place.
+
+DCP's public surface does not tell a stager which executor will run the save, nor hand out the
+storage record type of ``.metadata``. What we need of its private parts lives here, and only
+here, so that a torch upgrade that moves one of them breaks this file (and its tests), not the
+writer. Each entry says what it is for and what happens if it stops matching.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed.checkpoint.state_dict_saver as _saver
+from torch.distributed.checkpoint._traverse import set_element  # noqa: F401 - re-exported
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+logger = logging.getLogger(__name__)
+
+#: The record ``.metadata`` keeps per item (``storage_data``): stock ``FileSystemReader`` reads
+#: exactly this type, so a checkpoint it can load must carry it.
+StorageInfo = _StorageInfo
+
+#: Private names that a stock ``.metadata`` pickle refers to; the safe metadata unpickler allows
+#: them (with the public DCP metadata types).
+PRIVATE_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_StorageInfo.__module__, _StorageInfo.__qualname__),
+        # TensorProperties pickles its memory format as this enum's value.
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    }
+)
+
+
+def no_synchronize_after_execute(cls: type) -> type:
+    """Class decorator: tell ``dcp.async_save`` not to call ``synchronize_staging()`` right after
+    starting the save (which would wait for the whole snapshot on the caller's thread).
+
+    DCP reads the public ``should_synchronize_after_execute``, which returns this attribute.
+    """
+    cls._synchronize_after_execute = False  # type: ignore[attr-defined]
+    return cls
+
+
+# -- which dcp.async_save called stage() -----------------------------------------------------
+@dataclass(frozen=True)
+class AsyncSaveCall:
+    """What a stager learns from the ``dcp.async_save`` frame that called it.
+
+    ``found`` is False when no such frame was seen (``stage()`` called directly, or DCP changed
+    so that the probe no longer recognises its frame).
+    """
+
+    found: bool
+    mode: str | None = None  # AsyncCheckpointerType value: "thread" or "process"
+    checkpoint_id: Any = None
+    storage_writer: Any = None
+    async_stager: Any = None
+
+
+NOT_FOUND = AsyncSaveCall(found=False)
+#: How many frames above ``stage()`` the probe looks (DCP wraps its calls in a logger).
+_MAX_DEPTH = 8
+
+
+def _async_save_code() -> Any:
+    try:
+        return inspect.unwrap(_saver.async_save).__code__
+    except (AttributeError, ValueError):  # pragma: no cover - depends on the torch version
+        return None
+
+
+_ASYNC_SAVE_CODE = _async_save_code()
+
+
+def _is_async_save(code: Any) -> bool:
+    if _ASYNC_SAVE_CODE is not None and code is _ASYNC_SAVE_CODE:
+        return True
+    # Fallback (a wrapper or reload changed the code object): the function's name and file.
+    return code.co_name == "async_save" and code.co_filename.endswith("state_dict_saver.py")
+
+
+def async_save_call(depth: int = 1) -> AsyncSaveCall:
+    """Arguments of the ``dcp.async_save`` that (directly or through DCP's wrappers) called the
+    function ``depth`` frames up; :data:`NOT_FOUND` when there is none.
+
+    Raises ``RuntimeError`` when the frame is found but no longer holds the arguments we read:
+    that means DCP changed, and guessing the executor would risk handing live tensors to it.
+    """
+    frame = sys._getframe(depth + 1)
+    for _ in range(_MAX_DEPTH):
+        if frame is None:
+            return NOT_FOUND
+        if _is_async_save(frame.f_code):
+            local = frame.f_locals
+            missing = [
+                name
+                for name in ("async_checkpointer_type", "checkpoint_id", "storage_writer")
+                if name not in local
+            ]
+            if missing:
+                raise RuntimeError(
+                    "dcp_datastates cannot read dcp.async_save's arguments "
+                    f"({', '.join(missing)} missing) in this torch version; use "
+                    "dcp_datastates.async_save, or report this with your torch version"
+                )
+            mode = local.get("async_checkpointer_type")
+            return AsyncSaveCall(
+                found=True,
+                mode=getattr(mode, "value", mode),
+                checkpoint_id=local.get("checkpoint_id"),
+                storage_writer=local.get("storage_writer"),
+                async_stager=local.get("async_stager"),
+            )
+        frame = frame.f_back
+    return NOT_FOUND
+
+
+_warned_not_found = False
+
+
+def warn_call_not_found() -> None:
+    """Say once per process that ``stage()`` ran outside any ``dcp.async_save`` we recognise."""
+    global _warned_not_found
+    if _warned_not_found:
+        return
+    _warned_not_found = True
+    warnings.warn(
+        "DataStatesWriter.stage() was not called by a dcp.async_save this version of "
+        "dcp_datastates recognises; it assumes the THREAD executor and this writer as the storage "
+        "writer. Use dcp_datastates.async_save (which tells the writer directly), or "
+        "dcp.async_save with storage_writer=the writer and no async_stager.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+__all__ = [
+    "NOT_FOUND",
+    "PRIVATE_METADATA_GLOBALS",
+    "AsyncSaveCall",
+    "StorageInfo",
+    "async_save_call",
+    "no_synchronize_after_execute",
+    "set_element",
+    "warn_call_not_found",
+]
