@@ -68,5 +68,6 @@ def pinned_empty(nbytes: int, device: int | None = None) -> torch.Tensor:
         _driver.cuDevicePrimaryCtxRelease(dev)
         raise
     holder = (ctypes.c_uint8 * nbytes).from_address(ptr)
-    weakref.finalize(holder, _free, ptr, dev)
+    # Not at interpreter exit: the driver may be gone by then, and the process frees it anyway.
+    weakref.finalize(holder, _free, ptr, dev).atexit = False
     return torch.frombuffer(holder, dtype=torch.uint8, count=nbytes)
