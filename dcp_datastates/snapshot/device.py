@@ -272,7 +272,11 @@ def for_providers(providers: Sequence[StateProvider]) -> CopyDevice:
     chosen = getattr(_local, "device", None)
     if chosen is not None:
         return chosen
-    if not any(d.type == "cuda" for d in devices_of(providers)):
+    # Without CUDA no source can be on a GPU: the CPU path scans nothing. With it, one cheap
+    # attribute per provider (is_cuda, not .device, which builds an object).
+    if not torch.cuda.is_available() or not any(
+        getattr(getattr(p, "source", None), "is_cuda", False) for p in providers
+    ):
         return CPU
     with _cuda_lock:
         if _cuda_device is None:
