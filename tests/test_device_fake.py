@@ -487,3 +487,34 @@ def test_a_failed_pinning_is_reported_by_the_first_reserve(monkeypatch: pytest.M
     pool = HostPool(MiB)
     with pytest.raises(RuntimeError, match="pinning the .* host pool failed.*OUT_OF_MEMORY"):
         pool.reserve(4096, cancelled=lambda: False)
+
+
+class _BrokenFence(FakeDevice):
+    """A device whose stream wait fails: the guard must fall back to waiting on the host."""
+
+    def copy(self, parts, dst, gate):
+        copy = super().copy(parts, dst, gate)
+
+        def fence() -> bool:
+            raise RuntimeError("cudaStreamWaitEvent failed")
+
+        copy.fence = fence
+        return copy
+
+
+def test_a_failing_fence_falls_back_to_the_host_wait(tmp_path: Path, make_writer) -> None:
+    weight, optimizer, state = _training_state()
+    state["buffers"] = []
+    before = weight.detach().clone()
+    device = _BrokenFence()
+    waits = guard.waits
+    with use_device(device):
+        response = async_save(state, make_writer(tmp_path, **SMALL_POOL), no_dist=True)
+    device.wait_enqueued(1)
+    stepper, _ = _in_background(optimizer.step)
+    assert torch.equal(weight.detach(), before)  # parked on the host, not fenced
+    device.release()
+    stepper.join(EVENT_TIMEOUT_S)
+    assert guard.waits == waits + 1
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert torch.equal(load_like(tmp_path, state, "datastates")["model"]["weight"], before)

@@ -41,7 +41,7 @@ def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
     if not pending:
         return
     start = time.perf_counter()
-    host = [f for f, fence in pending if fence is None or not fence()]
+    host = [f for f, fence in pending if fence is None or not _fenced(fence)]
     if host:
         wait(host)
     waited = time.perf_counter() - start
@@ -52,6 +52,16 @@ def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
         else:
             fences += 1
     logger.debug("optimizer step waited %.3fs for %d snapshot(s)", waited, len(pending))
+
+
+def _fenced(fence: Callable[[], bool]) -> bool:
+    try:
+        return fence()
+    except Exception:  # the host wait is always correct: fall back to it
+        logger.warning(
+            "fencing the optimizer step on the device failed; waiting on the host", exc_info=True
+        )
+        return False
 
 
 def guard(staged: Future[None], fence: Callable[[], bool] | None = None) -> None:
