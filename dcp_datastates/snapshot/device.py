@@ -123,7 +123,9 @@ class CpuDevice:
 CPU = CpuDevice()
 
 
-def source_bytes(provider: StateProvider, source: torch.Tensor, start: int, stop: int):
+def source_bytes(
+    provider: StateProvider, source: torch.Tensor, start: int, stop: int
+) -> torch.Tensor:
     """Bytes ``[start, stop)`` of ``source`` as a flat uint8 tensor on its device, split the way
     :meth:`TensorProvider.split` splits (whole rows when the source is not contiguous)."""
     if source.is_contiguous():
