@@ -518,3 +518,23 @@ def test_a_failing_fence_falls_back_to_the_host_wait(tmp_path: Path, make_writer
     assert guard.waits == waits + 1
     response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
     assert torch.equal(load_like(tmp_path, state, "datastates")["model"]["weight"], before)
+
+
+def test_a_piece_is_readable_once_its_own_event_fired_while_later_copies_run(
+    engine: _Engine, fake
+) -> None:
+    value = torch.randn(64 * 1024)  # four pieces
+    session = engine.session({"w": value}, fake)
+    copies = fake.wait_enqueued(4)
+    fake.complete(copies[0])
+
+    first = session.slices["w"][0]
+    assert bytes(session.wait(first)) == _bytes(value)[: first.length]  # no device-wide wait
+    assert [c.query() for c in copies] == [True, False, False, False]
+    assert not session.staged.done()
+    fake.complete_all()
+    session.drop(first)
+    assert (
+        b"".join(bytes(session.wait(s)) for s in session.slices["w"][1:])
+        == _bytes(value)[first.length :]
+    )
