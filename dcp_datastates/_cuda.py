@@ -8,10 +8,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-try:  # cuda_ext needs cuda-python; without it (or without a GPU) torch does the work.
-    from cuda_ext import host_memory as _host_memory
-except ImportError:  # pragma: no cover - depends on the machine
-    _host_memory = None
+
+def _host_memory():
+    """``cuda_ext.host_memory`` when importable (it needs cuda-python), else None. Imported on
+    first use only: loading cuda-python's driver bindings costs ~80 ms, and CPU runs never do."""
+    try:
+        from cuda_ext import host_memory
+    except ImportError:  # pragma: no cover - depends on the machine
+        return None
+    return host_memory
 
 
 def pinning() -> bool:
@@ -34,9 +39,10 @@ def allocate_host_buffer(nbytes: int, device: int | None = None) -> torch.Tensor
         return torch.empty(nbytes, dtype=torch.uint8)
     if device is not None:
         torch.cuda.set_device(device)
-    if _host_memory is not None and _host_memory.available():
+    host_memory = _host_memory()
+    if host_memory is not None and host_memory.available():
         try:
-            return _host_memory.pinned_empty(nbytes, device)
+            return host_memory.pinned_empty(nbytes, device)
         except Exception as exc:  # e.g. a driver older than the cuda-python build
             logger.warning("cuMemHostAlloc of %d bytes failed (%s); using torch", nbytes, exc)
     # torch's caching host allocator rounds up to a power of two; acceptable as a fallback.
