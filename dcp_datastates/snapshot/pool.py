@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -20,6 +21,15 @@ from .. import _cuda
 logger = logging.getLogger(__name__)
 
 ALIGN = 64
+
+
+#: Every pool not yet collected, for leak checks (``live_pools``).
+_LIVE: weakref.WeakSet[HostPool] = weakref.WeakSet()
+
+
+def live_pools() -> list[HostPool]:
+    """Pools that still hold their buffer (allocated and not closed)."""
+    return [p for p in list(_LIVE) if p.allocated_bytes]
 
 
 def _align(n: int) -> int:
@@ -44,6 +54,7 @@ class HostPool:
         self._head = 0
         self.in_use = 0
         self.peak_in_use = 0
+        _LIVE.add(self)
         self._allocation: threading.Thread | None = None
         self._allocated: list[torch.Tensor | BaseException] = []
         if _cuda.pinning():
@@ -165,3 +176,13 @@ class HostPool:
             self._allocation.join()
             self._allocation = None
             self._allocated.clear()
+
+    def discard(self) -> None:
+        """Drop the buffer whatever is in use (its owner is gone; nothing reads it any more)."""
+        self._allocated.clear()  # a pinning still running is dropped when it ends
+        with self._cond:
+            self._buffer = None
+            self._blocks.clear()
+            self._by_offset.clear()
+            self.in_use = 0
+            self._cond.notify_all()
