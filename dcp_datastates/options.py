@@ -35,6 +35,9 @@ class WriterOptions:
         eager_copy_bytes: Tensors of at most this many bytes are copied during ``stage()`` itself,
             so any later in-place change (a step counter) leaves the checkpoint alone. 0 turns it
             off.
+        guard_on_device: On CUDA, let the guarded step wait on the device instead of the host:
+            the step's stream waits on the snapshot copies' events and Python runs ahead. Off,
+            or where a copy is not on a GPU, the step waits on the host.
         sync_files: ``fsync`` every data file (once) and the commit record before a save is
             reported durable. Turning it off trades crash safety for speed.
         overwrite: Allow saving into a directory that already holds a committed checkpoint. The old
@@ -57,6 +60,7 @@ class WriterOptions:
     guard_optimizer_step: bool = True
     guard_forward: bool = True
     eager_copy_bytes: int = 4096
+    guard_on_device: bool = True
     sync_files: bool = True
     overwrite: bool = True
     # Not hashed (a dict is not hashable; the PROCESS daemon keys its runtimes by options), but
@@ -88,7 +92,13 @@ class WriterOptions:
             or not 0.0 < fraction <= 0.9
         ):
             raise ValueError(f"max_pool_fraction={fraction!r} must be a number in (0, 0.9]")
-        for name in ("guard_optimizer_step", "guard_forward", "sync_files", "overwrite"):
+        for name in (
+            "guard_optimizer_step",
+            "guard_forward",
+            "guard_on_device",
+            "sync_files",
+            "overwrite",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be True or False")

@@ -3,6 +3,11 @@
 One global ``torch.optim`` step pre-hook, registered on first use, covers every optimizer in the
 process, so unmodified training loops are safe. The per-tensor version check in the providers is
 the last line of defence when the guard is off.
+
+On CUDA the step need not block the host: a snapshot registered with a *fence* makes the step's
+stream wait on the copies' events (``SnapshotSession.fence_on_device``), so the step's kernels
+queue behind the copies while Python runs ahead. Where a fence is not possible (CPU copies, host
+parts, or ``fence`` is None) the hook waits on the host, as before.
 """
 
 from __future__ import annotations
@@ -20,41 +25,65 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-#: Staged futures optimizer steps wait for, each with who to tell how long a step waited.
-_pending: dict[Future[None], Callable[[float], None] | None] = {}
+#: Staged futures optimizer steps wait for, each with who to tell how long a step waited and
+#: how to fence the step on the device instead (None: the host waits).
+_pending: dict[Future[None], tuple[Callable[[float], None] | None, Callable[[], bool] | None]] = {}
 _handle: Any = None
 #: Seconds optimizer steps spent waiting on snapshots (all writers), for tests and logs.
 waited_seconds = 0.0
 waits = 0
+#: Steps that were fenced on the device instead of waiting on the host.
+fences = 0
 
 
 def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    global waited_seconds, waits
+    global waited_seconds, waits, fences
     with _lock:
-        pending = [(f, cb) for f, cb in _pending.items() if not f.done()]
+        pending = [(f, cb, fence) for f, (cb, fence) in _pending.items() if not f.done()]
     if not pending:
         return
     start = time.perf_counter()
-    for staged, on_wait in pending:
-        wait([staged])
+    host = False
+    for staged, on_wait, fence in pending:
+        if fence is None or not _fenced(fence):
+            host = True
+            wait([staged])
         if on_wait is not None:
-            # This snapshot held the step back from its start until it completed.
+            # This snapshot held the step back (on the host, or until fenced) this long.
             on_wait(time.perf_counter() - start)
     waited = time.perf_counter() - start
     with _lock:
         waited_seconds += waited
-        waits += 1
+        if host:
+            waits += 1
+        else:
+            fences += 1
     logger.debug("optimizer step waited %.3fs for %d snapshot(s)", waited, len(pending))
 
 
-def guard(staged: Future[None], on_wait: Callable[[float], None] | None = None) -> None:
+def _fenced(fence: Callable[[], bool]) -> bool:
+    try:
+        return fence()
+    except Exception:  # the host wait is always correct: fall back to it
+        logger.warning(
+            "fencing the optimizer step on the device failed; waiting on the host", exc_info=True
+        )
+        return False
+
+
+def guard(
+    staged: Future[None],
+    on_wait: Callable[[float], None] | None = None,
+    fence: Callable[[], bool] | None = None,
+) -> None:
     """Make optimizer steps wait for ``staged`` until it resolves; ``on_wait(seconds)`` is told
-    how long each step that waited was held back by it."""
+    how long each step that waited was held back by it. ``fence``, if given, is tried first:
+    True means the step's stream now waits for the snapshot on the device, not the host."""
     global _handle
     with _lock:
         if _handle is None:
             _handle = register_optimizer_step_pre_hook(_pre_step_hook)
-        _pending[staged] = on_wait
+        _pending[staged] = (on_wait, fence)
     staged.add_done_callback(_forget)
 
 

@@ -236,7 +236,9 @@ class SnapshotRuntime:
                 session, threading.current_thread(), token, expect_claim, time.monotonic()
             )
         if self.options.guard_optimizer_step:
-            _guard.guard(session.staged, session.add_optimizer_wait)
+            # On CUDA the step's stream may wait on the copies instead of the host (a fence).
+            fence = session.fence_on_device if self.options.guard_on_device else None
+            _guard.guard(session.staged, session.add_optimizer_wait, fence)
         if self.options.guard_forward:
             _forward_gate.protect(session)
         assert self._resources is not None
