@@ -8,9 +8,11 @@ Lifecycle of one save (the state names appear in code, logs and docs)::
     state      thread                 rank          call
     ---------  ---------------------  ------------  -----------------------------------------------
     STAGED     caller (training)      every         stage(sd): check sd, plan this rank's items,
-                                                    make providers (objects serialized now), queue
-                                                    the snapshot; returns sd in about a millisecond.
-                                                    Copies run on the snapshot threads from here;
+                                                    make providers (objects serialized now, tiny
+                                                    tensors copied), queue the snapshot; returns sd
+                                                    in about a millisecond. Copies run on the
+                                                    snapshot threads from here; the next forward
+                                                    copies module buffers first (forward gate);
                                                     optimizer.step() waits for them (the guard).
     PLANNING   DCP save thread        every         reset(id), set_up_storage_writer: claim the
                                                     staged snapshot; prepare_local_plan: mkdir
@@ -21,6 +23,8 @@ Lifecycle of one save (the state names appear in code, logs and docs)::
     SAFE       snapshot threads       every         all pieces copied: staged future resolves
     DURABLE    flush threads          every         every file of this rank fsynced once
     COMMITTED  DCP save thread        coordinator   finish: manifest, then .metadata atomically
+    RETIRED    any                    every         the save is over: pool blocks back, no
+                                                    reference to the caller's tensors kept
 
 A save that fails anywhere reports once, through the future DCP hands back (or ours from
 ``dcp_datastates.async_save``), and releases its pool blocks. Two saves may overlap: their
@@ -264,7 +268,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             items, rank, expected_bytes=_expected_write_bytes(items, call)
         )
         stats = SaveStats(checkpoint_id="", rank=rank, pool_bytes=self._runtime.pool_capacity)
-        stats.eager_bytes = session.freeze_small(self.options.eager_copy_bytes)
+        try:
+            stats.eager_bytes = session.freeze_small(self.options.eager_copy_bytes)
+        except BaseException as exc:
+            self._runtime.abort(session, exc)
+            raise
         self._runtime.stage(session, stats, started=start, expect_claim=call.found)
         self._process_staged = None
         self._local.staged_stats = stats
@@ -393,7 +401,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             try:
                 self._check_plan_matches(plan, session, save.rank)
             except InvalidStateDictError as exc:
-                session.abort(exc)  # give its pool blocks back now, not when the thread exits
+                self._runtime.abort(session, exc)  # pool blocks back now, not at thread exit
                 raise
         if save.stats is not None:
             save.stats.flush_started_s = time.monotonic() - save.started

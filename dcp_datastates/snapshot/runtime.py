@@ -220,6 +220,22 @@ class SnapshotRuntime:
         the writer's per-save record). Waits for an earlier staged session to be claimed first;
         one never claimed within :data:`CLAIM_TIMEOUT_S` is dropped."""
         session.created = started
+        try:
+            self._hand_off(session, token, expect_claim)
+        except BaseException as exc:
+            self.abort(session, exc)  # never left behind for close() to wait on
+            raise
+        if self.options.guard_optimizer_step:
+            # On CUDA the step's stream may wait on the copies instead of the host (a fence).
+            fence = session.fence_on_device if self.options.guard_on_device else None
+            _guard.guard(session.staged, session.add_optimizer_wait, fence)
+        if self.options.guard_forward:
+            _forward_gate.protect(session)
+        assert self._resources is not None
+        self._resources.scheduler.submit(session)
+        self.last_staged = session.staged
+
+    def _hand_off(self, session: SnapshotSession, token: Any, expect_claim: bool) -> None:
         with self._changed:
             self.check_open()
             if self._unclaimed is not None and not self._changed.wait_for(
@@ -230,20 +246,11 @@ class SnapshotRuntime:
                 logger.warning(
                     "rank %d: a staged snapshot was never saved; dropping it", session.rank
                 )
-                self._abort(stale, self._never_claimed_error(stale.rank))
+                self.abort(stale, self._never_claimed_error(stale.rank))
             self.check_open()
             self._unclaimed = _Staged(
                 session, threading.current_thread(), token, expect_claim, time.monotonic()
             )
-        if self.options.guard_optimizer_step:
-            # On CUDA the step's stream may wait on the copies instead of the host (a fence).
-            fence = session.fence_on_device if self.options.guard_on_device else None
-            _guard.guard(session.staged, session.add_optimizer_wait, fence)
-        if self.options.guard_forward:
-            _forward_gate.protect(session)
-        assert self._resources is not None
-        self._resources.scheduler.submit(session)
-        self.last_staged = session.staged
 
     @staticmethod
     def _never_claimed_error(rank: int) -> SnapshotAbortedError:
@@ -274,7 +281,7 @@ class SnapshotRuntime:
             pending, self._unclaimed = self._unclaimed, None
             self._changed.notify_all()
         if pending is not None:
-            self._abort(pending.session, error)
+            self.abort(pending.session, error)
 
     def start_snapshot(self, session: SnapshotSession) -> None:
         """A plain ``dcp.save``: snapshot the live tensors now, on this (the saving) thread's
@@ -320,7 +327,8 @@ class SnapshotRuntime:
         session.retire()
 
     # -- sessions nobody will write ----------------------------------------------------------
-    def _abort(self, session: SnapshotSession, error: BaseException) -> None:
+    def abort(self, session: SnapshotSession, error: BaseException) -> None:
+        """Drop ``session`` (its save failed before writing it): blocks back, session retired."""
         session.abort(error)
         if not session.flush_started:
             session.retire()  # a flush that did start retires it when it resolves
@@ -341,10 +349,10 @@ class SnapshotRuntime:
             logger.warning(
                 "rank %d: a staged snapshot was never saved; dropping it", stale.session.rank
             )
-            self._abort(stale.session, self._never_claimed_error(stale.session.rank))
+            self.abort(stale.session, self._never_claimed_error(stale.session.rank))
         for s in sessions:
             if s.owner is not None and not s.owner.is_alive() and not s.flush_started:
-                self._abort(
+                self.abort(
                     s,
                     SnapshotAbortedError(
                         f"rank {s.rank}: the DCP save thread {s.owner.name!r} exited before "
@@ -374,7 +382,7 @@ class SnapshotRuntime:
             else:
                 stray = None
         if stray is not None:
-            self._abort(stray.session, self._dropped_error())
+            self.abort(stray.session, self._dropped_error())
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.reap_abandoned()
@@ -388,7 +396,7 @@ class SnapshotRuntime:
             with self._changed:
                 self._unclaimed = None
             for s in busy:
-                self._abort(s, self._dropped_error())
+                self.abort(s, self._dropped_error())
         res, self._resources = self._resources, None
         if res is not None:
             res.close()
@@ -412,6 +420,6 @@ class SnapshotRuntime:
             "was written"
         )
         for s in busy:
-            self._abort(s, error)
+            self.abort(s, error)
         if res is not None:
             res.abandon()
