@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .device import CPU, Part
+from .device import Part, source_bytes, source_of
 
 
 class FakeEvent:
@@ -56,9 +56,18 @@ class FakeCopy:
         return True
 
     def land(self) -> None:
+        # Like a DMA: read the source's bytes as they are now, with no host-side checks (a real
+        # device's copy runs none; the engine checks versions when it completes the piece).
         if not self.landed:
             self.landed = True
-            CPU.copy(self.parts, self.dst, None)
+            for provider, start, stop, at in self.parts:
+                source = source_of(provider)
+                if source is None:
+                    provider.copy_into(self.dst[at : at + stop - start], start, stop)
+                else:
+                    self.dst[at : at + stop - start].copy_(
+                        source_bytes(provider, source, start, stop)
+                    )
 
 
 class FakeDevice:
