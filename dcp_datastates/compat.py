@@ -85,14 +85,13 @@ def writer_options(
             "records are written (stock readers and ours load them); use torch's "
             "FileSystemWriter for safetensors records"
         )
+    # sync_files and overwrite are options of ours too: WriterOptions checks them.
     for name, value in (
         ("single_file_per_rank", single_file_per_rank),
         ("cache_staged_state_dict", cache_staged_state_dict),
-        ("sync_files", sync_files),
-        ("overwrite", overwrite),
     ):
         if not isinstance(value, bool):
-            raise TypeError(f"DataStatesWriter({name}={value!r}): expected a bool")
+            raise ValueError(f"DataStatesWriter({name}={value!r}): must be True or False")
     if not isinstance(per_thread_copy_ahead, int) or per_thread_copy_ahead < 0:
         raise ValueError(
             f"DataStatesWriter(per_thread_copy_ahead={per_thread_copy_ahead!r}): expected a "

@@ -92,6 +92,11 @@ class WriterOptions:
             or not 0.0 < fraction <= 0.9
         ):
             raise ValueError(f"max_pool_fraction={fraction!r} must be a number in (0, 0.9]")
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise ValueError(
+                f"storage_options={self.storage_options!r} must be a mapping of fsspec file "
+                "system arguments (e.g. {'endpoint_url': ...}) or None"
+            )
         for name in (
             "guard_optimizer_step",
             "guard_forward",
