@@ -5,8 +5,10 @@ Per data file, records are taken in file order:
 - a run of small neighbouring records (each at most ``coalesce_bytes``) is one read into one
   buffer, then split into its records;
 - a big record is read in regions of at most ``split_bytes`` straight into its target tensor (or
-  into a bounce buffer when the target is not a plain CPU tensor of the saved chunk: resharding,
-  another dtype, a CUDA tensor through pinned memory), and the regions are read in parallel.
+  into a bounce buffer when the target is not a plain tensor of the saved chunk: resharding,
+  another dtype), and the regions are read in parallel;
+- a big record whose target is a CUDA tensor of the saved chunk goes through two pinned bounce
+  buffers of ``split_bytes``, its reads overlapping its host-to-device copies (``bounce.py``).
 
 Region reads run before new records start (a priority queue), so the memory in flight stays near
 ``io_workers`` records however large the checkpoint. A record's checksum is checked when its
@@ -31,6 +33,7 @@ import torch
 from crc32c import crc32c
 from torch.distributed.checkpoint.planner import ReadItem
 
+from .bounce import BounceBuffers
 from .errors import ChecksumMismatchError
 from .format import RecordInfo, data_start
 from .locate import NotLocatable, StockLayout, locate_stock_tensor
@@ -137,7 +140,10 @@ class Fetch:
         self.fallbacks: list[str] = []  # stock records loaded whole with torch.load
         self._lock = threading.Lock()
         self._files: dict[str, RangedFile] = {}
-        self._pin = torch.cuda.is_available() and any(t.is_cuda for t in targets.values())
+        cuda = [t.device for t in targets.values() if t.is_cuda]
+        self._pin = torch.cuda.is_available() and bool(cuda)
+        self._device = cuda[0] if cuda else None  # pinned memory in this rank's context
+        self._bounces = BounceBuffers(options.split_bytes, pin=self._pin)
 
     # -- driving ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -157,7 +163,7 @@ class Fetch:
                 for f in self._files.values():
                     f.close()
                 if self._pin:
-                    torch.cuda.synchronize()  # the non-blocking copies out of pinned memory
+                    torch.cuda.synchronize(self._device)  # the non-blocking copies, side streams
         if self.fallbacks:
             logger.info(
                 "%d stock record(s) loaded whole with torch.load (their data offset could not "
@@ -246,6 +252,12 @@ class Fetch:
             data_at, nbytes = info.data_offset, info.data_length
             head = bytearray(info.data_offset - info.offset)
             tail = bytearray(info.offset + info.length - info.data_offset - info.data_length)
+        device_target = self._direct_target(record, layout, device="cuda")
+        if device_target is not None:
+            runner.submit(
+                _bind(self._fill_device, record, device_target, data_at, head, tail), urgent=True
+            )
+            return
         target = self._direct_target(record, layout)
         data = target if target is not None else self._bounce(nbytes)
         data_bytes = memoryview(_bytes_of(data).numpy()) if nbytes else memoryview(b"")
@@ -289,13 +301,34 @@ class Fetch:
         for at, bufs in regions:
             runner.submit(_bind(read_region, at, bufs), urgent=True)
 
+    def _fill_device(
+        self, record: Record, target: torch.Tensor, data_at: int, head: Any, tail: Any
+    ) -> None:
+        crc, got = self._bounces.fill(
+            target,
+            self._files[record.name].read_into,
+            data_at=data_at,
+            head=head,
+            tail=tail,
+            checksum=self.options.verify and record.info is not None,
+        )
+        if record.info is None:
+            if got != target.numel() * target.element_size():
+                raise self._truncated(record)
+            return
+        self._check_data_offset(record, head)
+        self._check(record, crc, got)
+
     def _locate(self, record: Record, read_at: Callable[[int, int], bytes]) -> StockLayout:
         assert record.saved is not None
         dtype, sizes = record.saved
         return locate_stock_tensor(read_at, record.length, dtype, tuple(sizes), self._item(record))
 
-    def _direct_target(self, record: Record, layout: StockLayout | None) -> torch.Tensor | None:
-        """The target itself when the record's data is exactly its bytes; else None."""
+    def _direct_target(
+        self, record: Record, layout: StockLayout | None, device: str = "cpu"
+    ) -> torch.Tensor | None:
+        """The target itself when the record's data is exactly its bytes and it lives on
+        ``device``; else None."""
         if len(record.reqs) != 1 or record.saved is None:
             return None
         req = record.reqs[0]
@@ -306,7 +339,7 @@ class Fetch:
         )
         fits = (
             whole
-            and target.device.type == "cpu"
+            and target.device.type == device
             and target.is_contiguous()
             and target.dtype == dtype
             and tuple(target.shape) == tuple(sizes)
@@ -316,6 +349,8 @@ class Fetch:
         return target if fits else None
 
     def _bounce(self, nbytes: int) -> torch.Tensor:
+        if self._pin:
+            torch.cuda.set_device(self._device)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
 
     # -- shared ---------------------------------------------------------------------------------

@@ -26,6 +26,9 @@ class WriterOptions:
         max_pool_fraction: Cap on the automatically sized pool, as a fraction of physical memory.
         guard_optimizer_step: Make every ``torch.optim`` optimizer's ``step()`` wait for in-flight
             snapshots, so unmodified training loops can never tear a checkpoint.
+        guard_on_device: On CUDA, let the guarded step wait on the device instead of the host:
+            the step's stream waits on the snapshot copies' events and Python runs ahead. Off,
+            or where a copy is not on a GPU, the step waits on the host.
         sync_files: ``fsync`` every data file (once) and the commit record before a save is
             reported durable. Turning it off trades crash safety for speed.
         overwrite: Allow saving into a directory that already holds a committed checkpoint. The old
@@ -40,6 +43,7 @@ class WriterOptions:
     flush_workers: int = 2
     max_pool_fraction: float = 0.25
     guard_optimizer_step: bool = True
+    guard_on_device: bool = True
     sync_files: bool = True
     overwrite: bool = True
 

@@ -163,7 +163,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         rank = _current_rank()
         session = self._runtime.new_session(plan_providers(state_dict), rank)
         stats = SaveStats(checkpoint_id="", rank=rank, pool_bytes=self._runtime.pool_capacity)
-        self._runtime.stage(session, stats, guard=self.options.guard_optimizer_step, started=start)
+        self._runtime.stage(
+            session,
+            stats,
+            guard=self.options.guard_optimizer_step,
+            on_device=self.options.guard_on_device,
+            started=start,
+        )
         self._process_staged = None
         stats.blocked_s = stats.stage_s = time.monotonic() - start
         return state_dict

@@ -13,6 +13,14 @@ pool this guarantees progress (the oldest unreleased piece is always either bein
 space or next in line for its file's flusher).
 
 A piece is released when every item slice that refers to it was flushed or dropped (``refs``).
+
+Copies go through the session's device layer (``device.py``). On the CPU a copy worker copies and
+checks the source's version counter, then marks the piece COPIED. On a device with asynchronous
+copies (CUDA, the test fake) the worker only *enqueues* the copy (gated on the events ``stage()``
+recorded on the producing streams) and checks versions at enqueue time; one completion thread
+per scheduler waits on each piece's own completion event, in enqueue order, checks versions again
+and only then marks it COPIED: no flush reads a pool block, and no abort frees one, before its
+copy is done. The optimizer-step guard may *fence* instead of waiting (:meth:`fence_on_device`).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from typing import Any
 
 from ..errors import SnapshotAbortedError
 from ..providers import StateProvider
+from .device import Completion, CopyDevice, devices_of, for_providers
 from .pool import HostPool
 
 logger = logging.getLogger(__name__)
@@ -52,6 +61,17 @@ class Piece:
     offset: int = -1  # pool offset once ADMITTED
     refs: int = 0
     done: threading.Event = field(default_factory=threading.Event)
+    #: set once the copy is enqueued on the device (or the piece is done): a fence may follow
+    enqueued: threading.Event = field(default_factory=threading.Event)
+    completion: Completion | None = None
+
+    def finish(self) -> None:
+        self.enqueued.set()
+        self.done.set()
+
+    def check_unchanged(self, rank: int) -> None:
+        for provider, _, _, _ in self.parts:
+            provider.check_unchanged(rank)
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,7 @@ class SnapshotSession:
         chunk_bytes: int,
         coalesce_bytes: int,
         rank: int,
+        device: CopyDevice | None = None,
     ) -> None:
         self.rank = rank
         self.pool = pool
@@ -95,6 +116,16 @@ class SnapshotSession:
         self._lock = threading.Lock()
         self._unfinished = 0
         self._build(items, chunk_bytes, coalesce_bytes)
+        #: set by the optimizer-step guard once the step's stream waits on every copy
+        self.fenced = False
+        self.device: CopyDevice = device or for_providers(list(self.providers.values()))
+        # On the training thread, in stage(): everything queued so far on the producing streams
+        # is what the snapshot copies; the copy streams wait on these events.
+        self.gate: Any = (
+            None
+            if self.device.synchronous
+            else self.device.gate(devices_of(list(self.providers.values())))
+        )
 
     # -- planning --------------------------------------------------------------------------
     def _new_piece(self) -> Piece:
@@ -164,7 +195,7 @@ class SnapshotSession:
             if piece.refs == 0 or self.error is not None:
                 self._release(piece)
             self._finished_one()
-        piece.done.set()
+        piece.finish()
         if error is not None:
             self.abort(error)
 
@@ -185,7 +216,7 @@ class SnapshotSession:
             if piece.state == PENDING:
                 piece.state = SKIPPED
                 self._finished_one()
-                piece.done.set()
+                piece.finish()
             elif piece.state == COPIED:
                 self._release(piece)
             # ADMITTED: the copy in flight releases it when it completes.
@@ -202,7 +233,7 @@ class SnapshotSession:
                 elif piece.state in (COPIED, FAILED):
                     self._release(piece)
                 if piece.state != ADMITTED:
-                    piece.done.set()
+                    piece.finish()
         self.pool.wake()
 
     @property
@@ -213,6 +244,31 @@ class SnapshotSession:
     def finished(self) -> bool:
         """No piece holds pool memory any more, nor will."""
         return self.aborted or all(p.state in (RELEASED, SKIPPED) for p in self.pieces)
+
+    def fence_on_device(self) -> bool:
+        """Make the calling thread's current streams wait for every copy instead of the host.
+
+        Waits on the host only until each piece is enqueued (pieces waiting for pool space, or
+        with host parts, are waited for whole). Versions are checked here, before the caller's
+        step can enqueue its in-place kernels: a change since ``stage()`` fails the snapshot.
+        Returns False when the device copies synchronously (the caller waits on the host).
+        """
+        if self.device.synchronous:
+            return False
+        for piece in self.pieces:
+            piece.enqueued.wait()
+            if piece.done.is_set():
+                continue
+            completion = piece.completion
+            if completion is None or not completion.fence():
+                piece.done.wait()
+                continue
+            try:
+                piece.check_unchanged(self.rank)
+            except BaseException as exc:
+                self.abort(exc)
+        self.fenced = True
+        return True
 
     def wait(self, slice_: Slice) -> memoryview:
         """Block until the slice's piece is copied; its bytes as a memoryview of the pool."""
@@ -237,6 +293,10 @@ class SnapshotScheduler:
         self._copies = ThreadPoolExecutor(copy_workers, thread_name_prefix="datastates-copy")
         self._thread = threading.Thread(target=self._run, name="datastates-snapshot", daemon=True)
         self._thread.start()
+        # Started on the first asynchronous copy: the CPU path has no completion thread.
+        self._completions: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._completer: threading.Thread | None = None
+        self._completer_lock = threading.Lock()
 
     def submit(self, session: SnapshotSession) -> None:
         self._queue.put(session)
@@ -245,6 +305,9 @@ class SnapshotScheduler:
         self._queue.put(None)
         self._thread.join()
         self._copies.shutdown(wait=True)
+        if self._completer is not None:
+            self._completions.put(None)
+            self._completer.join()
 
     def _run(self) -> None:
         while (session := self._queue.get()) is not None:
@@ -267,7 +330,53 @@ class SnapshotScheduler:
             )
             if offset is None or not session.admit(piece, offset):
                 continue
-            self._copies.submit(_copy_piece, session, piece)
+            if session.device.synchronous:
+                self._copies.submit(_copy_piece, session, piece)
+            else:
+                self._copies.submit(self._enqueue_piece, session, piece)
+
+    def _enqueue_piece(self, session: SnapshotSession, piece: Piece) -> None:
+        error: BaseException | None = None
+        completion: Completion | None = None
+        try:
+            dst = session.pool.view(piece.offset, piece.nbytes)
+            completion = session.device.copy(piece.parts, dst, session.gate)
+            piece.completion = completion
+            # Checked at enqueue time: a change since stage() was queued before the copy.
+            piece.check_unchanged(session.rank)
+        except BaseException as exc:
+            error = exc
+        piece.enqueued.set()
+        if completion is None:
+            session.copied(piece, error)
+            return
+        with self._completer_lock:
+            if self._completer is None:
+                self._completer = threading.Thread(
+                    target=self._complete, name="datastates-copy-done", daemon=True
+                )
+                self._completer.start()
+        self._completions.put((session, piece, completion, error))
+
+    def _complete(self) -> None:
+        while (job := self._completions.get()) is not None:
+            session, piece, completion, error = job
+            try:
+                completion.wait()
+            except BaseException as exc:
+                error = error or exc
+            if error is None:
+                try:
+                    piece.check_unchanged(session.rank)
+                except BaseException as exc:
+                    # After a fence the step may bump versions: its kernels run after the copy,
+                    # and the fence checked versions before the step could enqueue them.
+                    if not session.fenced:
+                        error = exc
+            try:
+                session.copied(piece, error)
+            except BaseException:  # never let an error die in this thread
+                logger.exception("rank %d: completing snapshot piece %d", session.rank, piece.seq)
 
 
 def _copy_piece(session: SnapshotSession, piece: Piece) -> None:

@@ -30,7 +30,9 @@ class HostPool:
     """``capacity`` bytes of host memory handed out as aligned blocks.
 
     The buffer is allocated lazily by the first :meth:`reserve` (on the scheduler thread, never on
-    the training thread) and kept until :meth:`close`.
+    the training thread) and kept until :meth:`close`. With a GPU, pinning it takes seconds for
+    tens of GB, so it starts in the background as soon as the pool exists (the size is known),
+    pinned through the creating thread's device (the rank's own); the first reserve waits for it.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -42,12 +44,36 @@ class HostPool:
         self._head = 0
         self.in_use = 0
         self.peak_in_use = 0
+        self._allocation: threading.Thread | None = None
+        self._allocated: list[torch.Tensor | BaseException] = []
+        if _cuda.pinning():
+            device = _cuda.current_device()
+            self._allocation = threading.Thread(
+                target=self._allocate, args=(device,), name="datastates-pin", daemon=True
+            )
+            self._allocation.start()
+
+    def _allocate(self, device: int | None) -> None:
+        try:
+            self._allocated.append(_cuda.allocate_host_buffer(self.capacity, device))
+        except BaseException as exc:  # reported by the first reserve
+            self._allocated.append(exc)
 
     @property
     def allocated_bytes(self) -> int:
         return 0 if self._buffer is None else self.capacity
 
     def _ensure_buffer(self) -> torch.Tensor:
+        if self._buffer is None and self._allocation is not None:
+            self._allocation.join()
+            self._allocation = None
+            result = self._allocated.pop()
+            if isinstance(result, BaseException):
+                raise RuntimeError(
+                    f"pinning the {self.capacity}-byte host pool failed: {result}; lower "
+                    "host_pool_bytes"
+                ) from result
+            self._buffer = result
         if self._buffer is None:
             self._buffer = _cuda.allocate_host_buffer(self.capacity)
             logger.debug(
@@ -135,3 +161,7 @@ class HostPool:
             if self._blocks:
                 raise RuntimeError(f"host pool closed with {len(self._blocks)} blocks in use")
             self._buffer = None
+        if self._allocation is not None:
+            self._allocation.join()
+            self._allocation = None
+            self._allocated.clear()

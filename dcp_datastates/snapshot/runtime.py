@@ -141,10 +141,20 @@ class SnapshotRuntime:
                     "raise host_pool_bytes or save a contiguous copy"
                 )
 
-    def stage(self, session: SnapshotSession, token: Any, *, guard: bool, started: float) -> None:
+    def stage(
+        self,
+        session: SnapshotSession,
+        token: Any,
+        *,
+        guard: bool,
+        started: float,
+        on_device: bool = True,
+    ) -> None:
         """Start ``session``'s copies and leave it for the next save on another thread to claim
         (with ``token``, the caller's per-save record). Waits for an earlier staged session to
-        be claimed first; one never claimed within :data:`CLAIM_TIMEOUT_S` is dropped."""
+        be claimed first; one never claimed within :data:`CLAIM_TIMEOUT_S` is dropped.
+        ``guard``: optimizer steps wait for the snapshot; ``on_device``: on the device where the
+        copies allow it (a fence), else on the host."""
         session.created = started
         with self._claimed:
             if self._unclaimed is not None and not self._claimed.wait_for(
@@ -163,7 +173,7 @@ class SnapshotRuntime:
                 )
             self._unclaimed = (session, threading.current_thread(), token)
         if guard:
-            _guard.guard(session.staged)
+            _guard.guard(session.staged, session.fence_on_device if on_device else None)
         assert self._resources is not None
         self._resources.scheduler.submit(session)
         self.last_staged = session.staged

@@ -1,0 +1,299 @@
+"""The device layer: how the snapshot engine moves a piece's bytes into the host pool.
+
+The engine talks to a small interface so that its gating logic is the same on every device and can
+be tested without a GPU (``device_fake.py``)::
+
+    gate(devices)            training thread, in stage(): mark "the state is produced" on every
+                             producing stream (an event per stream); returns the gate
+    copy(parts, dst, gate)   copy worker: enqueue the piece's copies after the gate; returns a
+                             Completion, or None when the bytes are already in ``dst``
+    Completion.wait()        completion thread: block until that piece's copies are done
+    Completion.fence()       optimizer-step guard: make the caller's current stream wait for the
+                             copies instead of blocking the host (False: the host must wait)
+
+:class:`CpuDevice` is the direct synchronous copy the engine always did (no events, no threads).
+:class:`CudaDevice` records events on the producing streams, copies on one side stream per device
+with ``non_blocking=True`` into the pinned pool, coalesces a piece's small tensors into one
+device-to-host copy, and keeps sources safe from the caching allocator (``record_stream``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ..providers import StateProvider
+
+#: (provider, source byte start, source byte stop, offset inside the piece)
+Part = tuple[StateProvider, int, int, int]
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def producing_streams(*streams: Any) -> Iterator[None]:
+    """Also gate snapshots staged in this block on ``streams`` (besides each device's current one).
+
+    Use it when the state is produced on side streams::
+
+        with producing_streams(side_stream):
+            dcp_datastates.async_save(state, writer)
+    """
+    before = getattr(_local, "streams", ())
+    _local.streams = tuple(before) + tuple(streams)
+    try:
+        yield
+    finally:
+        _local.streams = before
+
+
+def extra_producing_streams() -> tuple[Any, ...]:
+    return tuple(getattr(_local, "streams", ()))
+
+
+@contextlib.contextmanager
+def use_device(device: CopyDevice) -> Iterator[None]:
+    """Snapshots created on this thread inside the block copy through ``device`` (the seam the
+    fake-device tests use; also for a device layer of your own)."""
+    before = getattr(_local, "device", None)
+    _local.device = device
+    try:
+        yield
+    finally:
+        _local.device = before
+
+
+class Completion(Protocol):
+    def query(self) -> bool:
+        """True when the piece's bytes are in the pool."""
+        ...
+
+    def wait(self) -> None:
+        """Block until the piece's bytes are in the pool; raise the copy's error if it failed."""
+        ...
+
+    def fence(self) -> bool:
+        """Order the calling thread's current device work after the copies, without blocking;
+        False when only a host wait can do it."""
+        ...
+
+
+class CopyDevice(Protocol):
+    #: copies are finished when :meth:`copy` returns (no completion tracking needed)
+    synchronous: bool
+
+    def gate(self, devices: set[torch.device]) -> Any: ...
+
+    def copy(self, parts: Sequence[Part], dst: torch.Tensor, gate: Any) -> Completion | None: ...
+
+
+def source_of(provider: StateProvider) -> torch.Tensor | None:
+    """The tensor a provider copies from, when it exposes one (custom providers may not)."""
+    source = getattr(provider, "source", None)
+    return source if isinstance(source, torch.Tensor) else None
+
+
+def devices_of(providers: Sequence[StateProvider]) -> set[torch.device]:
+    found: set[torch.device] = set()
+    for provider in providers:
+        source = source_of(provider)
+        if source is not None and source.device.type != "cpu":
+            found.add(source.device)
+    return found
+
+
+class CpuDevice:
+    """The direct copy: the provider copies its bytes on the calling (copy worker) thread."""
+
+    synchronous = True
+
+    def gate(self, devices: set[torch.device]) -> None:
+        return None
+
+    def copy(self, parts: Sequence[Part], dst: torch.Tensor, gate: Any) -> None:
+        for provider, start, stop, at in parts:
+            provider.copy_into(dst[at : at + stop - start], start, stop)
+        return None
+
+
+CPU = CpuDevice()
+
+
+def source_bytes(
+    provider: StateProvider, source: torch.Tensor, start: int, stop: int
+) -> torch.Tensor:
+    """Bytes ``[start, stop)`` of ``source`` as a flat uint8 tensor on its device, split the way
+    :meth:`TensorProvider.split` splits (whole rows when the source is not contiguous)."""
+    if source.is_contiguous():
+        flat = source.reshape(-1) if source.dim() != 1 else source
+        return flat.view(torch.uint8)[start:stop]
+    rows = source.shape[0] if source.dim() > 0 else 1
+    row_bytes = provider.nbytes // max(rows, 1)
+    block = source[start // row_bytes : stop // row_bytes].contiguous()
+    return block.reshape(-1).view(torch.uint8)
+
+
+class _CudaCompletion:
+    def __init__(self, events: list[tuple[int, torch.cuda.Event]]) -> None:
+        self.events = events
+
+    def query(self) -> bool:
+        return all(event.query() for _, event in self.events)
+
+    def wait(self) -> None:
+        for _, event in self.events:
+            event.synchronize()
+
+    def fence(self) -> bool:
+        for index, event in self.events:
+            torch.cuda.current_stream(index).wait_event(event)
+        return True
+
+
+class CudaDevice:
+    """Side-stream copies gated on the producing streams' events.
+
+    ``coalesce`` merges the consecutive small CUDA parts of one piece into one ``torch.cat`` on the
+    copy stream (padding included, so the result has the piece's layout) and one device-to-host
+    copy, instead of one launch per tensor.
+    """
+
+    synchronous = False
+
+    def __init__(self, *, coalesce: bool = True) -> None:
+        self.coalesce = coalesce
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._pads: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def _stream(self, index: int) -> torch.cuda.Stream:
+        with self._lock:
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = torch.cuda.Stream(device=index)
+                # No kernel: gap bytes are never read, so the pad needs no ordering.
+                self._pads[index] = torch.empty(64, dtype=torch.uint8, device=index)
+            return stream
+
+    def gate(self, devices: set[torch.device]) -> dict[int, list[torch.cuda.Event]]:
+        """Record an event on each device's current stream and on the extra producing streams."""
+        events: dict[int, list[torch.cuda.Event]] = {}
+        streams = [torch.cuda.current_stream(d) for d in devices if d.type == "cuda"]
+        streams += [s for s in extra_producing_streams() if isinstance(s, torch.cuda.Stream)]
+        for stream in streams:
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.setdefault(stream.device.index, []).append(event)
+        return events
+
+    def copy(
+        self, parts: Sequence[Part], dst: torch.Tensor, gate: dict[int, list[torch.cuda.Event]]
+    ) -> _CudaCompletion | None:
+        groups: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        host: list[Part] = []
+        for i, part in enumerate(parts):
+            source = source_of(part[0])
+            if source is not None and source.is_cuda:
+                groups.setdefault(source.device.index, []).append((i, source))
+            else:
+                host.append(part)
+        events = [self._enqueue(index, group, parts, dst, gate) for index, group in groups.items()]
+        CPU.copy(host, dst, None)  # host parts never overlap the device parts' bytes
+        return _CudaCompletion(events) if events else None
+
+    def _enqueue(
+        self,
+        index: int,
+        group: list[tuple[int, torch.Tensor]],
+        parts: Sequence[Part],
+        dst: torch.Tensor,
+        gate: dict[int, list[torch.cuda.Event]],
+    ) -> tuple[int, torch.cuda.Event]:
+        stream = self._stream(index)
+        with torch.cuda.device(index), torch.cuda.stream(stream):
+            try:
+                for event in gate.get(index, ()):
+                    stream.wait_event(event)
+                consecutive = group[-1][0] - group[0][0] == len(group) - 1
+                if self.coalesce and len(group) > 1 and consecutive:
+                    self._copy_coalesced(index, group, parts, dst)
+                else:
+                    for i, _ in group:
+                        provider, start, stop, at = parts[i]
+                        src = source_bytes(provider, source_of(provider), start, stop)
+                        dst[at : at + stop - start].copy_(src, non_blocking=True)
+                for _, source in group:
+                    source.record_stream(stream)  # not reused by the allocator before the copy
+                done = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, not spins
+                done.record(stream)
+            except BaseException:
+                stream.synchronize()  # nothing may still write into the pool block
+                raise
+        return index, done
+
+    def _copy_coalesced(
+        self,
+        index: int,
+        group: list[tuple[int, torch.Tensor]],
+        parts: Sequence[Part],
+        dst: torch.Tensor,
+    ) -> None:
+        first, stop, pieces = coalesced_sources(group, parts, self._pads[index])
+        staged = torch.cat(pieces)  # allocated on the copy stream: reused only after this copy
+        dst[first:stop].copy_(staged, non_blocking=True)
+
+
+def coalesced_sources(
+    group: list[tuple[int, torch.Tensor]], parts: Sequence[Part], pad: torch.Tensor
+) -> tuple[int, int, list[torch.Tensor]]:
+    """The byte tensors whose concatenation is the piece's bytes ``[first, stop)`` for the
+    consecutive parts in ``group``, alignment gaps filled from ``pad`` (its content is never
+    read back: no slice covers a gap)."""
+    first = parts[group[0][0]][3]
+    cursor, pieces = first, []
+    for i, source in group:
+        provider, start, stop, at = parts[i]
+        if at > cursor:
+            pieces.append(pad[: at - cursor])
+        pieces.append(source_bytes(provider, source, start, stop))
+        cursor = at + stop - start
+    return first, cursor, pieces
+
+
+_cuda_device: CudaDevice | None = None
+_cuda_lock = threading.Lock()
+
+
+def for_providers(providers: Sequence[StateProvider]) -> CopyDevice:
+    """The device layer for a snapshot of ``providers``: CUDA when any source is on a GPU."""
+    global _cuda_device
+    chosen = getattr(_local, "device", None)
+    if chosen is not None:
+        return chosen
+    # Without CUDA no source can be on a GPU: the CPU path scans nothing. With it, one cheap
+    # attribute per provider (is_cuda, not .device, which builds an object).
+    if not torch.cuda.is_available() or not any(
+        getattr(getattr(p, "source", None), "is_cuda", False) for p in providers
+    ):
+        return CPU
+    with _cuda_lock:
+        if _cuda_device is None:
+            _cuda_device = CudaDevice()
+        return _cuda_device
+
+
+__all__ = [
+    "CPU",
+    "Completion",
+    "CopyDevice",
+    "CpuDevice",
+    "CudaDevice",
+    "devices_of",
+    "for_providers",
+    "producing_streams",
+    "use_device",
+]
