@@ -7,9 +7,12 @@ Lifecycle of one save (the state names appear in code, logs and docs)::
 
     state      thread                 rank          call
     ---------  ---------------------  ------------  -----------------------------------------------
-    STAGED     caller (training)      every         stage(sd): check sd, plan this rank's items,
-                                                    make providers (objects serialized now), queue
-                                                    the snapshot; returns sd in about a millisecond.
+    STAGED     caller (training)      every         stage(sd): record sd (structure, versions;
+                                                    snapshot/capture.py) and return; the planning
+                                                    thread plans this rank's items, makes the
+                                                    providers and queues the snapshot. (A state
+                                                    with device tensors, subclasses or objects is
+                                                    planned on the caller, objects serialized.)
                                                     Copies run on the snapshot threads from here;
                                                     optimizer.step() waits for them (the guard).
     PLANNING   DCP save thread        every         reset(id), set_up_storage_writer: claim the
@@ -59,6 +62,7 @@ from .options import WriterOptions
 from .planner import plan_providers, provider_from_any_planner
 from .process_staging import daemon_runtime, stage_for_process
 from .snapshot import guard as _guard
+from .snapshot.capture import Capture, capture
 from .snapshot.engine import SnapshotSession
 from .snapshot.runtime import SnapshotRuntime
 from .stats import SaveStats
@@ -161,18 +165,32 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             self._process_staged = staged.staged
             return staged.result
         rank = _current_rank()
-        session = self._runtime.new_session(plan_providers(state_dict), rank)
         stats = SaveStats(checkpoint_id="", rank=rank, pool_bytes=self._runtime.pool_capacity)
-        self._runtime.stage(
-            session,
-            stats,
-            guard=self.options.guard_optimizer_step,
-            on_device=self.options.guard_on_device,
-            started=start,
-        )
+        captured = capture(state_dict, eager_bytes=getattr(self.options, "eager_copy_bytes", 0))
+        if captured is not None:  # host tensors and plain values: plan on the planning thread
+            self._runtime.stage_later(
+                functools.partial(self._plan_captured, captured, rank),
+                stats,
+                guard=self.options.guard_optimizer_step,
+                started=start,
+            )
+        else:
+            session = self._runtime.new_session(plan_providers(state_dict), rank)
+            self._runtime.stage(
+                session,
+                stats,
+                guard=self.options.guard_optimizer_step,
+                on_device=self.options.guard_on_device,
+                started=start,
+            )
         self._process_staged = None
         stats.blocked_s = stats.stage_s = time.monotonic() - start
         return state_dict
+
+    def _plan_captured(self, captured: Capture, rank: int) -> SnapshotSession:
+        """On the planning thread: the session for what ``stage()`` recorded."""
+        items = plan_providers(captured.state, versions=captured.versions)
+        return self._runtime.new_session(items, rank)
 
     def synchronize_staging(self) -> None:
         """Wait until the last staged snapshot is complete (the state may then change)."""

@@ -84,6 +84,19 @@ class TensorProvider:
                 unversioned=self.source._version == self._version,
             )
 
+    def staged_version(self, version: int, live: torch.Tensor) -> None:
+        """``live`` (the caller's tensor) had ``version`` at ``stage()``, recorded there when
+        this provider is built later, on the planning thread: a write in between fails the
+        snapshot, now or after its copy."""
+        if live.is_conj() or live.is_neg():
+            # The source is a copy resolved just now: faithful only if nothing wrote since.
+            if live._version != version:
+                raise SnapshotMutationError(
+                    fqn=self.fqn, rank=_rank(), before=version, after=live._version
+                )
+            return
+        self._version = version
+
     def check_unchanged(self, rank: int) -> None:
         now = self.source._version
         if now != self._version:

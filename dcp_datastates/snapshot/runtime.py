@@ -22,8 +22,8 @@ import concurrent.futures
 import logging
 import os
 import threading
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem
@@ -82,7 +82,9 @@ class SnapshotRuntime:
         self.options = options
         self._lock = threading.Lock()
         self._claimed = threading.Condition(self._lock)
-        self._unclaimed: tuple[SnapshotSession, threading.Thread, Any] | None = None
+        #: (session, or the future of one still being planned; staging thread; token)
+        self._unclaimed: tuple[Future[SnapshotSession], threading.Thread, Any] | None = None
+        self._planner: ThreadPoolExecutor | None = None  # builds sessions stage() recorded
         self._sessions: list[SnapshotSession] = []
         self._resources: _Resources | None = None
         #: ``staged`` future of the most recent ``stage()``.
@@ -102,6 +104,10 @@ class SnapshotRuntime:
         return self._resources.pool.peak_in_use if self._resources is not None else 0
 
     def _ensure(self, state_bytes: int, rank: int) -> _Resources:
+        with self._lock:  # the planning thread and a plain dcp.save's thread may both get here
+            return self._ensure_locked(state_bytes, rank)
+
+    def _ensure_locked(self, state_bytes: int, rank: int) -> _Resources:
         if self._resources is None:
             size = self.options.host_pool_bytes
             if size is None:
@@ -156,39 +162,83 @@ class SnapshotRuntime:
         ``guard``: optimizer steps wait for the snapshot; ``on_device``: on the device where the
         copies allow it (a fence), else on the host."""
         session.created = started
-        with self._claimed:
-            if self._unclaimed is not None and not self._claimed.wait_for(
-                lambda: self._unclaimed is None, timeout=CLAIM_TIMEOUT_S
-            ):
-                stale = self._unclaimed[0]
-                logger.warning(
-                    "rank %d: a staged snapshot was never saved; dropping it", session.rank
-                )
-                stale.abort(
-                    SnapshotAbortedError(
-                        f"rank {session.rank}: a snapshot staged {CLAIM_TIMEOUT_S:.0f}s ago was "
-                        "never picked up by a save; it was dropped. Call stage() only through "
-                        "dcp.async_save or dcp_datastates.async_save"
-                    )
-                )
-            self._unclaimed = (session, threading.current_thread(), token)
+        built: Future[SnapshotSession] = Future()
+        built.set_result(session)
+        self._leave_for_claim(built, token, session.rank)
         if guard:
             _guard.guard(session.staged, session.fence_on_device if on_device else None)
         assert self._resources is not None
         self._resources.scheduler.submit(session)
         self.last_staged = session.staged
 
+    def stage_later(
+        self, build: Callable[[], SnapshotSession], token: Any, *, guard: bool, started: float
+    ) -> Future[None]:
+        """:meth:`stage` for a session that ``build()`` makes on the planning thread (from what
+        the caller recorded, ``capture.py``): the caller only leaves it for the claim and
+        guards the optimizer step. Host copies only (the guard waits on the host). Returns the
+        ``staged`` future; it resolves when the snapshot is complete, or, if planning failed,
+        at once (the save reports that error, once, through its own future)."""
+        rank = getattr(token, "rank", 0)
+        built: Future[SnapshotSession] = Future()
+        staged: Future[None] = Future()
+        self._leave_for_claim(built, token, rank)
+        if guard:
+            _guard.guard(staged)
+        self.last_staged = staged
+        with self._lock:
+            if self._planner is None:
+                self._planner = ThreadPoolExecutor(1, thread_name_prefix="datastates-plan")
+            planner = self._planner
+        planner.submit(self._build_and_start, build, built, staged, started)
+        return staged
+
+    def _build_and_start(
+        self,
+        build: Callable[[], SnapshotSession],
+        built: Future[SnapshotSession],
+        staged: Future[None],
+        started: float,
+    ) -> None:
+        try:
+            session = build()
+        except BaseException as exc:  # reaches the save through claim(); the state is free
+            built.set_exception(exc)
+            staged.set_result(None)
+            return
+        session.created = started
+        session.staged.add_done_callback(lambda _: staged.set_result(None))
+        built.set_result(session)
+        assert self._resources is not None
+        self._resources.scheduler.submit(session)
+
+    def _leave_for_claim(self, built: Future[SnapshotSession], token: Any, rank: int) -> None:
+        with self._claimed:
+            if self._unclaimed is not None and not self._claimed.wait_for(
+                lambda: self._unclaimed is None, timeout=CLAIM_TIMEOUT_S
+            ):
+                logger.warning("rank %d: a staged snapshot was never saved; dropping it", rank)
+                error = SnapshotAbortedError(
+                    f"rank {rank}: a snapshot staged {CLAIM_TIMEOUT_S:.0f}s ago was "
+                    "never picked up by a save; it was dropped. Call stage() only through "
+                    "dcp.async_save or dcp_datastates.async_save"
+                )
+                _abort_when_built(self._unclaimed[0], error)
+            self._unclaimed = (built, threading.current_thread(), token)
+
     def claim(self) -> tuple[SnapshotSession, Any] | None:
-        """On a DCP save thread: take the session staged (on another thread) for this save."""
+        """On a DCP save thread: take the session staged (on another thread) for this save;
+        waits here, not on the caller, for its planning to end (and raises what that raised)."""
         with self._claimed:
             pending = self._unclaimed
             if pending is None or pending[1] is threading.current_thread():
                 return None
-            session, _, token = pending
+            built, _, token = pending
             self._unclaimed = None
             self._claimed.notify_all()
-            session.owner = threading.current_thread()
-            return session, token
+        session = built.result()
+        session.owner = threading.current_thread()
+        return session, token
 
     def start_snapshot(self, session: SnapshotSession) -> None:
         """A plain ``dcp.save``: snapshot the live tensors now, on this (the saving) thread's
@@ -246,6 +296,9 @@ class SnapshotRuntime:
     def close(self, path: str) -> None:
         """Release the pool and threads. Waits for saves that are flushing; a snapshot no save
         is writing (staged but never saved) is dropped."""
+        if self._planner is not None:
+            self._planner.shutdown(wait=True)  # sessions being planned now exist, or failed
+            self._planner = None
         if self._resources is None:
             return
         self._resources.wait_for_flushes()
@@ -257,3 +310,11 @@ class SnapshotRuntime:
         )
         self._resources.close()
         self._resources = None
+
+
+def _abort_when_built(built: Future[SnapshotSession], error: BaseException) -> None:
+    def abort(f: Future[SnapshotSession]) -> None:
+        if f.exception() is None:
+            f.result().abort(error)
+
+    built.add_done_callback(abort)
