@@ -55,6 +55,20 @@ class Capture:
     tensors: int = 0
     eager_bytes: int = 0
 
+    def tensor_bytes(self) -> int:
+        """Bytes of the tensors recorded (for sizing the pool before planning ends)."""
+        return _tensor_bytes(self.state)
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
 
 def capture(state_dict: Mapping[str, Any], *, eager_bytes: int = 0) -> Capture | None:
     """Record ``state_dict`` for planning on another thread, or ``None`` where it cannot be."""

@@ -50,6 +50,11 @@ def physical_memory() -> int:
         return 16 << 30
 
 
+def pool_bytes_for(state_bytes: int, items: int) -> int:
+    """Pool bytes that hold a whole state: pieces align each tensor to 64 bytes."""
+    return state_bytes + 64 * items
+
+
 class _Resources:
     """What a runtime allocates once, on the first save, and reuses: pool and threads."""
 
@@ -117,13 +122,17 @@ class SnapshotRuntime:
             logger.info("rank %d: host pool of %d bytes", rank, self._resources.pool.capacity)
         return self._resources
 
+    def prepare(self, state_bytes: int, items: int, rank: int) -> HostPool:
+        """Size the pool for a first save of ``items`` items, ``state_bytes`` in all, and start
+        faulting it in (``pool.py``), if no save did yet; a later save reuses it as it is."""
+        return self._ensure(pool_bytes_for(state_bytes, items), rank).pool
+
     # -- sessions ----------------------------------------------------------------------------
     def new_session(
         self, items: Sequence[tuple[WriteItem, StateProvider]], rank: int
     ) -> SnapshotSession:
         """A session for this rank's ``items`` (not started): sizes the pool on first use."""
-        state_bytes = sum(p.nbytes for _, p in items)
-        res = self._ensure(state_bytes, rank)
+        res = self._ensure(pool_bytes_for(sum(p.nbytes for _, p in items), len(items)), rank)
         session = SnapshotSession(
             [(item.index, provider) for item, provider in items],
             pool=res.pool,
