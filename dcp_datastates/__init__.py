@@ -14,6 +14,8 @@ from .errors import (
     SnapshotMutationError,
     StorageWriteError,
     UnsafeCheckpointError,
+    WriterClosedError,
+    WriterUsageError,
 )
 from .options import WriterOptions
 from .planner import DataStatesSavePlanner
@@ -38,7 +40,9 @@ __all__ = [
     "StateProvider",
     "StorageWriteError",
     "UnsafeCheckpointError",
+    "WriterClosedError",
     "WriterOptions",
+    "WriterUsageError",
     "async_save",
     "register_provider",
     "unregister_provider",

@@ -60,6 +60,8 @@ class AsyncSaveCall:
     checkpoint_id: Any = None
     storage_writer: Any = None
     async_stager: Any = None
+    no_dist: bool = False
+    process_group: Any = None
 
 
 NOT_FOUND = AsyncSaveCall(found=False)
@@ -115,27 +117,23 @@ def async_save_call(depth: int = 1) -> AsyncSaveCall:
                 checkpoint_id=local.get("checkpoint_id"),
                 storage_writer=local.get("storage_writer"),
                 async_stager=local.get("async_stager"),
+                no_dist=bool(local.get("no_dist", False)),
+                process_group=local.get("process_group"),
             )
         frame = frame.f_back
     return NOT_FOUND
 
 
-_warned_not_found = False
-
-
 def warn_call_not_found() -> None:
-    """Say once per process that ``stage()`` ran outside any ``dcp.async_save`` we recognise."""
-    global _warned_not_found
-    if _warned_not_found:
-        return
-    _warned_not_found = True
+    """Say that ``stage()`` ran outside any ``dcp.async_save`` we recognise (Python's default
+    warning filter shows it once per calling line)."""
     warnings.warn(
         "DataStatesWriter.stage() was not called by a dcp.async_save this version of "
         "dcp_datastates recognises; it assumes the THREAD executor and this writer as the storage "
         "writer. Use dcp_datastates.async_save (which tells the writer directly), or "
         "dcp.async_save with storage_writer=the writer and no async_stager.",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 

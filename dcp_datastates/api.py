@@ -9,10 +9,14 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    AsyncSaveResponse,
+)
 
+from ._dcp_private import AsyncSaveCall
 from .errors import CheckpointSaveError
-from .writer import DataStatesWriter
+from .writer import _ANNOUNCED, DataStatesWriter, record_failure
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +44,30 @@ def async_save(
             raise TypeError(f"async_save got {name}=; pass a DataStatesWriter as path_or_writer")
     owned = not isinstance(path_or_writer, DataStatesWriter)
     writer = DataStatesWriter(path_or_writer) if owned else path_or_writer
+    writer._runtime.check_open()
+    mode = kwargs.get("async_checkpointer_type", AsyncCheckpointerType.THREAD)
+    call = AsyncSaveCall(
+        found=True,
+        mode=getattr(mode, "value", mode),
+        checkpoint_id=kwargs.get("checkpoint_id"),
+        storage_writer=writer,
+        no_dist=bool(kwargs.get("no_dist", False)),
+        process_group=kwargs.get("process_group"),
+    )
     start = time.monotonic()
+    writer._local.staged_stats = None
+    token = writer._announce(call)
     try:
         returned = dcp.async_save(state_dict, storage_writer=writer, **kwargs)
-    except BaseException:
+    except BaseException as exc:
+        writer._abandon_staged(exc)  # staged, but the save that would write it never started
         if owned:
             _close_owned(writer)
         raise
+    finally:
+        _ANNOUNCED.reset(token)
     blocked = time.monotonic() - start
+    stats = writer._staged_stats()  # this save's own record (None in PROCESS mode)
     if isinstance(returned, AsyncSaveResponse):  # PROCESS mode: staging is a future already
         upload, staging = returned.upload_completion, returned.staging_completion
     else:
@@ -57,14 +77,18 @@ def async_save(
     out.set_running_or_notify_cancel()
 
     def relay(f: Future[Any]) -> None:
-        if writer.last_stats is not None:
-            writer.last_stats.blocked_s = blocked
+        raw = f.exception()
+        error = None if raw is None else _as_error(raw)  # CheckpointException: a BaseException
+        if stats is not None:
+            stats.blocked_s = blocked
+            if error is not None:  # its own record; last_stats keeps the last good save
+                record_failure(writer, stats, error)
         if owned:  # a writer made for one save: release its pool and threads before reporting
             _close_owned(writer)
-        try:
+        if error is None:
             out.set_result(f.result())
-        except BaseException as exc:  # CheckpointException is a BaseException
-            out.set_exception(_as_error(exc))
+        else:
+            out.set_exception(error)
 
     upload.add_done_callback(relay)
     return AsyncSaveResponse(staging_completion=staging, upload_completion=out)

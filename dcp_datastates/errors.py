@@ -80,6 +80,15 @@ class SnapshotAbortedError(DataStatesError):
     """A snapshot was abandoned before it finished (its save failed or was never run)."""
 
 
+class WriterUsageError(DataStatesError, ValueError):
+    """The writer was used in a way that cannot produce a correct checkpoint; raised at the call,
+    with what to do instead."""
+
+
+class WriterClosedError(DataStatesError, ValueError):
+    """A closed :class:`~dcp_datastates.DataStatesWriter` was asked to stage or save."""
+
+
 class CheckpointSaveError(DataStatesError):
     """A save failed; raised by :func:`dcp_datastates.async_save`'s ``upload_completion``.
 

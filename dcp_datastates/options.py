@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 MiB = 1 << 20
 
@@ -23,9 +23,16 @@ class WriterOptions:
             thousands of tiny tensors do not cost thousands of separate copies.
         copy_workers: Threads that copy tensors into the host pool.
         flush_workers: Files each rank writes in parallel (one thread per file).
-        max_pool_fraction: Cap on the automatically sized pool, as a fraction of physical memory.
+        max_pool_fraction: Cap on the automatically sized pool, as a fraction of this node's
+            physical memory shared by its ranks (divided by ``LOCAL_WORLD_SIZE``).
         guard_optimizer_step: Make every ``torch.optim`` optimizer's ``step()`` wait for in-flight
             snapshots, so unmodified training loops can never tear a checkpoint.
+        guard_forward: While a snapshot is in flight, the first forward of a module copies that
+            module's buffers (BatchNorm statistics, EMA buffers, counters) that are not snapshotted
+            yet, before forward can update them (see ``snapshot/forward_gate.py``).
+        eager_copy_bytes: Tensors of at most this many bytes are copied during ``stage()`` itself,
+            so any later in-place change (a step counter) leaves the checkpoint alone. 0 turns it
+            off.
         guard_on_device: On CUDA, let the guarded step wait on the device instead of the host:
             the step's stream waits on the snapshot copies' events and Python runs ahead. Off,
             or where a copy is not on a GPU, the step waits on the host.
@@ -34,6 +41,9 @@ class WriterOptions:
         overwrite: Allow saving into a directory that already holds a committed checkpoint. The old
             commit record is removed before any data is written, so a crash mid-overwrite leaves an
             uncommitted directory, never a checkpoint that mixes old and new data.
+
+    Every field is checked (type and range) when the options are made, so a bad value fails at
+    the call that passed it, with a :class:`ValueError` naming it.
     """
 
     host_pool_bytes: int | None = None
@@ -43,32 +53,59 @@ class WriterOptions:
     flush_workers: int = 2
     max_pool_fraction: float = 0.25
     guard_optimizer_step: bool = True
+    guard_forward: bool = True
+    eager_copy_bytes: int = 4096
     guard_on_device: bool = True
     sync_files: bool = True
     overwrite: bool = True
 
     def __post_init__(self) -> None:
-        if self.host_pool_bytes is not None and self.host_pool_bytes < MiB:
-            raise ValueError(
-                f"host_pool_bytes={self.host_pool_bytes!r} is too small; use at least {MiB} bytes "
-                "or None to size the pool automatically"
+        if self.host_pool_bytes is not None:
+            _check_int(
+                "host_pool_bytes",
+                self.host_pool_bytes,
+                low=MiB,
+                hint=" or None to size the pool automatically",
             )
-        for name in ("chunk_bytes", "coalesce_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 4096:
-                raise ValueError(f"{name}={value!r} must be an int of at least 4096 bytes")
+        _check_int("chunk_bytes", self.chunk_bytes, low=4096)
+        _check_int("coalesce_bytes", self.coalesce_bytes, low=4096)
         if self.coalesce_bytes > self.chunk_bytes:
             raise ValueError(
                 f"coalesce_bytes={self.coalesce_bytes!r} must not exceed "
                 f"chunk_bytes={self.chunk_bytes!r}"
             )
-        for name in ("copy_workers", "flush_workers"):
+        _check_int("copy_workers", self.copy_workers, low=1, high=64)
+        _check_int("flush_workers", self.flush_workers, low=1, high=64)
+        _check_int("eager_copy_bytes", self.eager_copy_bytes, low=0, high=64 * MiB)
+        fraction = self.max_pool_fraction
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not 0.0 < fraction <= 0.9
+        ):
+            raise ValueError(f"max_pool_fraction={fraction!r} must be a number in (0, 0.9]")
+        for name in ("guard_optimizer_step", "guard_forward", "sync_files", "overwrite"):
             value = getattr(self, name)
-            if not isinstance(value, int) or not 1 <= value <= 64:
-                raise ValueError(f"{name}={value!r} must be an int between 1 and 64")
-        if not 0.0 < self.max_pool_fraction <= 0.9:
-            raise ValueError(f"max_pool_fraction={self.max_pool_fraction!r} must be in (0, 0.9]")
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be True or False")
 
     def effective_chunk_bytes(self, pool_bytes: int) -> int:
         """Chunk size that always fits the pool at least twice, so copy and flush can overlap."""
         return max(4096, min(self.chunk_bytes, pool_bytes // 2))
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _check_int(
+    name: str, value: object, *, low: int, high: int | None = None, hint: str = ""
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        suggestion = f"; write {name}=int({value!r})" if isinstance(value, float) else ""
+        raise ValueError(
+            f"{name}={value!r} is a {type(value).__name__}; it must be an int{suggestion}"
+        )
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ValueError(f"{name}={value!r} must be {bound}{hint}")

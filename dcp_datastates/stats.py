@@ -24,7 +24,15 @@ class SaveStats:
         items: Items this rank wrote.
         pool_bytes: Size of the host staging pool.
         pool_peak_bytes: Most pool bytes in use at once during this save.
-        optimizer_wait_s: Time optimizer steps spent waiting on snapshots during this save.
+        optimizer_wait_s: Time optimizer steps spent waiting on this save's snapshot (waits
+            for other writers' snapshots are theirs).
+        eager_bytes: Bytes of small tensors copied during ``stage()`` (``eager_copy_bytes``).
+        forward_frozen_bytes: Bytes of module buffers the forward gate copied at the first forward
+            after the call, before forward could update them.
+        forward_blocked_s: Time forward spent in the forward gate for this save.
+        error: ``None`` for a save that committed; for a failed save, its error as
+            ``"Type: message"``. A writer's ``last_stats`` is always a successful save;
+            ``last_failed_stats`` holds the most recent failure.
     """
 
     checkpoint_id: str
@@ -41,11 +49,24 @@ class SaveStats:
     pool_bytes: int = 0
     pool_peak_bytes: int = 0
     optimizer_wait_s: float = 0.0
+    eager_bytes: int = 0
+    forward_frozen_bytes: int = 0
+    forward_blocked_s: float = 0.0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
     def summary(self) -> str:
         def fmt(value: float | None) -> str:
             return "-" if value is None else f"{value:.3f}s"
 
+        if self.error is not None:
+            return (
+                f"rank {self.rank}: save to {self.checkpoint_id} failed after "
+                f"{fmt(self.durable_s)}: {self.error}"
+            )
         return (
             f"rank {self.rank}: saved {self.items} items, {self.bytes_written / 1e6:.1f} MB to "
             f"{self.checkpoint_id}: blocked {fmt(self.blocked_s)}, safe to mutate "

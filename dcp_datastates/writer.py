@@ -7,12 +7,12 @@ Lifecycle of one save (the state names appear in code, logs and docs)::
 
     state      thread                 rank          call
     ---------  ---------------------  ------------  -----------------------------------------------
-    STAGED     caller (training)      every         stage(sd): record sd (structure, versions;
-                                                    snapshot/capture.py) and return; the planning
-                                                    thread plans this rank's items, makes the
-                                                    providers and queues the snapshot. (A state
-                                                    with device tensors, subclasses or objects is
-                                                    planned on the caller, objects serialized.)
+    STAGED     caller (training)      every         stage(sd): record sd (structure, version
+                                                    counters, copies of tiny tensors; capture.py)
+                                                    and return; the planning thread plans this
+                                                    rank's items, makes the providers, queues the
+                                                    snapshot. (A state with device tensors,
+                                                    subclasses or objects is planned right here.)
                                                     Copies run on the snapshot threads from here;
                                                     optimizer.step() waits for them (the guard).
     PLANNING   DCP save thread        every         reset(id), set_up_storage_writer: claim the
@@ -36,6 +36,7 @@ use of a DCP private name is in ``_dcp_private.py``.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import errno
 import functools
@@ -44,24 +45,24 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import _dcp_private
 from . import commit as _commit
-from .errors import InvalidStateDictError, portable
+from .errors import InvalidStateDictError, WriterUsageError, portable
 from .format import METADATA_NAME
 from .options import WriterOptions
 from .planner import plan_providers, provider_from_any_planner
 from .process_staging import daemon_runtime, stage_for_process
-from .snapshot import guard as _guard
 from .snapshot.capture import Capture, capture
 from .snapshot.engine import SnapshotSession
 from .snapshot.runtime import SnapshotRuntime
@@ -69,6 +70,11 @@ from .stats import SaveStats
 from .storage import LocalStorage, Storage, storage_for
 
 logger = logging.getLogger(__name__)
+
+#: (writer, call) announced by dcp_datastates.async_save for the stage() it is about to cause.
+_ANNOUNCED: contextvars.ContextVar[tuple[Any, _dcp_private.AsyncSaveCall] | None] = (
+    contextvars.ContextVar("dcp_datastates_announced_call", default=None)
+)
 
 
 def _current_rank() -> int:
@@ -101,7 +107,6 @@ class _Save:
         self.stats: SaveStats | None = None
         self.started = time.monotonic()
         self.synchronous = False  # a plain dcp.save: no stage(), the caller waits throughout
-        self.guard_wait_start = _guard.waited_seconds
         self.done = False  # this rank will make no more writer calls for this save
 
     @functools.cached_property
@@ -126,66 +131,120 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def __init__(self, path: str | os.PathLike, **options: Any) -> None:
         super().__init__()
         self.path = os.fspath(path)
+        unknown = sorted(set(options) - set(WriterOptions.names()))
+        if unknown:
+            raise TypeError(
+                f"DataStatesWriter got unknown option(s) {', '.join(unknown)}; the options are "
+                f"{', '.join(WriterOptions.names())}"
+            )
         self.options = WriterOptions(**options)
         self.last_stats: SaveStats | None = None
+        self.last_failed_stats: SaveStats | None = None
         self._init_runtime_state()
 
     def _init_runtime_state(self) -> None:
         self._unpickled = False
-        self._runtime = SnapshotRuntime(self.options)
+        self._runtime = SnapshotRuntime(self.options, self.path)
+        # A writer dropped without close() gives its pool and threads back when collected.
+        # The runtime and its threads never refer to the writer, so collection can happen.
+        self._finalizer = weakref.finalize(self, self._runtime.abandon)
         self._local = threading.local()
         self._process_staged: Future[None] | None = None
 
     # The PROCESS executor pickles the writer into a daemon: ship options, not threads or memory.
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "options": self.options, "last_stats": None}
+        if self._runtime.has_unclaimed():
+            # stage() took this for a THREAD-executor save (live tensors, streamed from here),
+            # but the writer is being pickled: DCP is running it in another process.
+            error = WriterUsageError(
+                f"the DataStatesWriter for {self.path} is being pickled while a snapshot it "
+                "staged for an in-process save is pending: stage() did not recognise the "
+                "PROCESS executor. Use dcp_datastates.async_save(..., "
+                "async_checkpointer_type=AsyncCheckpointerType.PROCESS) instead"
+            )
+            self._runtime.drop_unclaimed(error)
+            raise error
+        return {
+            "path": self.path,
+            "options": self.options,
+            "last_stats": None,
+            "last_failed_stats": None,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._init_runtime_state()
         # DCP's checkpoint daemon unpickles a new writer for every request and never closes it:
         # they all share one runtime (pool and threads) per options, so the daemon stays flat.
+        self._finalizer.detach()
         self._unpickled = True
-        self._runtime = daemon_runtime(self.options, lambda: SnapshotRuntime(self.options))
+        self._runtime = daemon_runtime(
+            self.options, lambda: SnapshotRuntime(self.options, self.path)
+        )
 
-    def close(self) -> None:
-        """Release the host pool and the writer's threads. Waits for saves that are flushing;
-        a snapshot no save is writing (staged but never saved) is dropped."""
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse new saves from now on, wait for the saves already staged or writing to end,
+        and release the host pool and the writer's threads.
+
+        A snapshot staged by ``dcp.async_save`` is waited for (its save is about to run); one
+        staged by calling ``stage()`` directly, which no save will write, is dropped. With
+        ``timeout``, saves still open after that many seconds fail with
+        :class:`~dcp_datastates.errors.SnapshotAbortedError`. Calling it again is a no-op.
+        """
         if not self._unpickled:  # a daemon's shared runtime outlives the writers it unpickles
-            self._runtime.close(self.path)
+            self._runtime.close(timeout)
+        self._finalizer.detach()
+
+    @property
+    def closed(self) -> bool:
+        return self._runtime.closed
 
     # -- AsyncStager -------------------------------------------------------------------------
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE | Future[STATE_DICT_TYPE]:
         """Start the lazy snapshot of ``state_dict`` and return at once (see the lifecycle)."""
         start = time.monotonic()
-        call = _dcp_private.async_save_call()
+        self._runtime.check_open()
+        call = self._which_call()
         _refuse_file_target(call.checkpoint_id or self.path)
         if call.mode == "process":
             staged = stage_for_process(state_dict, guard=self.options.guard_optimizer_step)
             self._process_staged = staged.staged
+            self._local.staged_stats = None
             return staged.result
         rank = _current_rank()
         stats = SaveStats(checkpoint_id="", rank=rank, pool_bytes=self._runtime.pool_capacity)
-        captured = capture(state_dict, eager_bytes=getattr(self.options, "eager_copy_bytes", 0))
+        captured = capture(state_dict, eager_bytes=self.options.eager_copy_bytes)
         if captured is not None:  # host tensors and plain values: plan on the planning thread
+            stats.eager_bytes = captured.eager_bytes
             self._runtime.stage_later(
-                functools.partial(self._plan_captured, captured, rank),
+                functools.partial(self._plan_captured, captured, call),
                 stats,
-                guard=self.options.guard_optimizer_step,
+                rank=rank,
                 started=start,
+                expect_claim=call.found,
             )
         else:
-            session = self._runtime.new_session(plan_providers(state_dict), rank)
-            self._runtime.stage(
-                session,
-                stats,
-                guard=self.options.guard_optimizer_step,
-                on_device=self.options.guard_on_device,
-                started=start,
+            items = plan_providers(state_dict)
+            session = self._runtime.new_session(
+                items, rank, expected_bytes=_expected_write_bytes(items, call)
             )
+            stats.eager_bytes = session.freeze_small(self.options.eager_copy_bytes)
+            self._runtime.stage(session, stats, started=start, expect_claim=call.found)
         self._process_staged = None
+        self._local.staged_stats = stats
         stats.blocked_s = stats.stage_s = time.monotonic() - start
         return state_dict
+
+    def _plan_captured(
+        self, captured: Capture, call: _dcp_private.AsyncSaveCall
+    ) -> tuple[list[tuple[Any, Any]], int]:
+        """On the planning thread: the items (and the bytes this rank will write) of what
+        ``stage()`` recorded."""
+        if self._runtime.pool is None:
+            # The first save: faulting the pool in (pool.py) overlaps the planning below.
+            self._runtime.prepare(captured.tensor_bytes() + 64 * captured.tensors, _current_rank())
+        items = plan_providers(captured.state, versions=captured.versions)
+        return items, _expected_write_bytes(items, call)
 
     def warm_up(self, state_dict: STATE_DICT_TYPE, *, wait: bool = False) -> None:
         """Allocate the host pool for saves of ``state_dict`` now, and fault it in on a
@@ -194,17 +253,43 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         same work itself, overlapped with its planning and copies. ``wait``: return only once
         the whole pool is faulted in. No effect once a save has sized the pool."""
         tensors = _tensors_of(state_dict)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        pool = self._runtime.prepare(nbytes, len(tensors), _current_rank())
+        nbytes = sum(t.numel() * t.element_size() for t in tensors) + 64 * len(tensors)
+        pool = self._runtime.prepare(nbytes, _current_rank())
         if wait:
             pool.wait_populated()
 
-    def _plan_captured(self, captured: Capture, rank: int) -> SnapshotSession:
-        """On the planning thread: the session for what ``stage()`` recorded."""
-        # The first save: the pool's size is known now, so faulting it in overlaps planning.
-        self._runtime.prepare(captured.tensor_bytes(), captured.tensors, rank)
-        items = plan_providers(captured.state, versions=captured.versions)
-        return self._runtime.new_session(items, rank)
+    def _which_call(self) -> _dcp_private.AsyncSaveCall:
+        """Which save called stage(): told by dcp_datastates.async_save, else read off DCP's
+        frame. Refuses a call that cannot produce a correct checkpoint."""
+        told = _ANNOUNCED.get()
+        if told is not None and told[0] is self:
+            return told[1]
+        call = _dcp_private.async_save_call(depth=2)
+        if not call.found:
+            _dcp_private.warn_call_not_found()
+            return call
+        if call.storage_writer is not self:
+            other = type(call.storage_writer).__name__ if call.storage_writer else "none"
+            raise WriterUsageError(
+                f"a DataStatesWriter can only stage for itself (it streams its own snapshot in "
+                f"write_data), but dcp.async_save was given storage_writer={other}. Pass "
+                "storage_writer=DataStatesWriter(path) and no async_stager, or use "
+                "dcp_datastates.async_save(state_dict, path); to save with another storage "
+                "writer, leave async_stager out (DCP's DefaultStager)"
+            )
+        return call
+
+    def _announce(self, call: _dcp_private.AsyncSaveCall) -> contextvars.Token:
+        """dcp_datastates.async_save says which call the next stage() on this thread is for."""
+        return _ANNOUNCED.set((self, call))
+
+    def _staged_stats(self) -> SaveStats | None:
+        """The record of the last stage() on this thread (what async_save reports into)."""
+        return getattr(self._local, "staged_stats", None)
+
+    def _abandon_staged(self, error: BaseException) -> None:
+        """The dcp.async_save that staged failed before its save could start."""
+        self._runtime.drop_unclaimed(error)
 
     def synchronize_staging(self) -> None:
         """Wait until the last staged snapshot is complete (the state may then change)."""
@@ -223,8 +308,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def _begin(self, path: str) -> _Save:
         """The first writer call of a save on this thread: new per-save state, and claim the
         snapshot staged for it (claiming first, so that a save dying later is seen dead)."""
-        save = self._local.save = _Save(path)
         claimed = self._runtime.claim()
+        if claimed is None:
+            self._runtime.check_open()  # a closed writer finishes staged saves, starts none
+        save = self._local.save = _Save(path)
         if claimed is not None:
             session, stats = claimed
             save.session, save.stats, save.started = session, stats, session.created
@@ -274,6 +361,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.started = time.monotonic()
             save.synchronous = True
             self._runtime.start_snapshot(session)
+        elif session.error is not None:
+            raise session.error  # dropped (close() gave up on it): never read live tensors
         else:
             try:
                 self._check_plan_matches(plan, session, save.rank)
@@ -291,8 +380,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def _session_from_planner(
         self, plan: SavePlan, planner: SavePlanner, rank: int
     ) -> SnapshotSession:
+        self._runtime.check_open()
         items = [(item, provider_from_any_planner(item, planner)) for item in plan.items]
-        return self._runtime.new_session(items, rank)
+        return self._runtime.new_session(items, rank)  # plan.items: exactly what we write
 
     @staticmethod
     def _check_plan_matches(plan: SavePlan, session: SnapshotSession, rank: int) -> None:
@@ -303,9 +393,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                     f"rank {rank}: item {item.index.fqn!r} was not in the state dict given to "
                     "stage(); the state dict changed between staging and saving"
                 )
-            source = getattr(provider, "source", None)
-            if item.tensor_data is not None and source is not None:
-                shape, staged = tuple(item.tensor_data.chunk.sizes), tuple(source.shape)
+            staged_shape = getattr(provider, "shape", None)
+            if item.tensor_data is not None and staged_shape is not None:
+                shape, staged = tuple(item.tensor_data.chunk.sizes), tuple(staged_shape)
                 if shape != staged:
                     raise InvalidStateDictError(
                         f"rank {rank}: tensor {item.index.fqn!r} was staged with shape {staged} "
@@ -321,9 +411,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if fut.exception() is not None or not save.is_coordinator:
             save.done = True
         if fut.exception() is not None:
-            logger.error(
-                "rank %d: save to %s failed: %s", save.rank, stats.checkpoint_id, fut.exception()
-            )
+            self._failed(save, fut.exception())
             return
         results = fut.result()
         stats.items = len(results)
@@ -333,22 +421,42 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if not save.is_coordinator:
             self._done(save)
 
-    def _done(self, save: _Save) -> None:
-        stats = save.stats
+    @staticmethod
+    def _session_figures(save: _Save) -> None:
+        stats, session = save.stats, save.session
         assert stats is not None
         stats.durable_s = time.monotonic() - save.started
-        stats.optimizer_wait_s = _guard.waited_seconds - save.guard_wait_start
+        if session is not None:
+            stats.optimizer_wait_s = session.optimizer_wait_s
+            stats.forward_frozen_bytes = session.forward_frozen_bytes
+            stats.forward_blocked_s = session.forward_blocked_s
         if save.synchronous:
             stats.blocked_s = stats.durable_s
-        self.last_stats = stats
-        logger.info("%s", stats.summary())
+
+    def _done(self, save: _Save) -> None:
+        self._session_figures(save)
+        assert save.stats is not None
+        self.last_stats = save.stats
+        logger.info("%s", save.stats.summary())
+
+    def _failed(self, save: _Save, error: BaseException) -> None:
+        """A failed save gets its own record; ``last_stats`` keeps the last good one."""
+        save.done = True
+        if save.stats is None:
+            return
+        self._session_figures(save)
+        record_failure(self, save.stats, error)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         save = self._save()
         start = time.monotonic()
-        _commit.commit(
-            save.storage, metadata, results, sync=self.options.sync_files, rank=save.rank
-        )
+        try:
+            _commit.commit(
+                save.storage, metadata, results, sync=self.options.sync_files, rank=save.rank
+            )
+        except BaseException as exc:
+            self._failed(save, exc)
+            raise
         if save.stats is not None:
             save.stats.commit_s = time.monotonic() - start
         self._done(save)
@@ -365,6 +473,31 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def record_failure(writer: DataStatesWriter, stats: SaveStats, error: BaseException) -> None:
+    """Mark ``stats`` as a failed save's and keep it as the writer's ``last_failed_stats``."""
+    if stats.error is None:
+        stats.error = f"{type(error).__name__}: {error}"
+        logger.error("%s", stats.summary())
+    writer.last_failed_stats = stats
+    if writer.last_stats is stats:  # pragma: no cover - a committed save cannot fail later
+        writer.last_stats = None
+
+
+def _expected_write_bytes(items: list, call: _dcp_private.AsyncSaveCall) -> int:
+    """Bytes this rank is expected to write: its shards, and its share of replicated items
+    (DCP gives each replicated item to one rank, balancing bytes across ranks)."""
+    world = 1
+    if not call.no_dist and dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size(call.process_group)
+    total = 0
+    for item, provider in items:
+        if item.type == WriteItemType.SHARD:
+            total += provider.nbytes
+        else:
+            total += provider.nbytes // world
+    return total
 
 
 def _tensors_of(value: Any) -> list[torch.Tensor]:

@@ -5,8 +5,9 @@
     python scripts/bench.py save --gb 1 --tensors 500 --rounds 3
     python scripts/bench.py limits load --dir /mnt/nvme/bench
 
-Scenarios: limits (disk, memory), save, load, train (with the timeline PNG), scaling, ranks
-(two gloo ranks). Every measurement is printed as one JSON line on stdout (and appended to
+Scenarios: limits (disk, memory), save, load, train (with the timeline PNG), forward (a BatchNorm
+loop with an EMA hook: what protecting forward-updated buffers costs), scaling, ranks (two gloo
+ranks). Every measurement is printed as one JSON line on stdout (and appended to
 OUT/results.jsonl); the summary tables, with ratios against the stock baselines and the targets
 met or missed, come last (and go to OUT/summary.md). Progress goes to stderr.
 See docs/benchmarks.md for what each figure means.
@@ -22,10 +23,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_lib import limits, load, ranks, report, save, scaling, systems, timeline, train
+from bench_lib import (
+    forward,
+    limits,
+    load,
+    ranks,
+    report,
+    save,
+    scaling,
+    systems,
+    timeline,
+    train,
+)
 from bench_lib.common import GB, Recorder, log
 
-SCENARIOS = ["limits", "save", "load", "train", "scaling", "ranks"]
+SCENARIOS = ["limits", "save", "load", "train", "forward", "scaling", "ranks"]
 
 #: Defaults of the full run and of --quick; an option given on the command line wins over both.
 FULL: dict[str, Any] = {
@@ -46,6 +58,10 @@ FULL: dict[str, Any] = {
     "train_steps": 12,
     "train_every": 4,
     "train_rounds": 4,
+    "forward_width": 1024,
+    "forward_blocks": 8,
+    "forward_batch": 64,
+    "forward_saves": 5,
     "scale_sizes": "0.5,1,2,4",
     "scale_counts": "100,1000,5000,20000",
     "scale_count_gb": 0.1,
@@ -68,6 +84,10 @@ QUICK: dict[str, Any] = {
     "train_steps": 5,
     "train_every": 2,
     "train_rounds": 1,
+    "forward_width": 64,
+    "forward_blocks": 2,
+    "forward_batch": 16,
+    "forward_saves": 2,
     "scale_sizes": "0.004,0.008",
     "scale_counts": "10,100",
     "scale_count_gb": 0.004,
@@ -128,6 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     for name in ("width", "layers", "vocab", "seq", "steps", "every"):
         g.add_argument(f"--train-{name}", type=int)
+    for name in ("width", "blocks", "batch", "saves"):
+        g.add_argument(f"--forward-{name}", type=int)
     g.add_argument("--scale-sizes", help="GB, comma-separated")
     g.add_argument("--scale-counts", help="tensor counts, comma-separated")
     g.add_argument("--scale-count-gb", type=float, help="state size of the tensor-count sweep")
@@ -201,6 +223,15 @@ def _run(args: argparse.Namespace) -> int:
                     every=args.train_every,
                 )
                 runs = train.run(rec, workdir=args.dir, cfg=cfg, rounds=args.train_rounds)
+            elif scenario == "forward":
+                forward.run(
+                    rec,
+                    workdir=args.dir,
+                    width=args.forward_width,
+                    blocks=args.forward_blocks,
+                    batch=args.forward_batch,
+                    saves=args.forward_saves,
+                )
             elif scenario == "scaling":
                 scaling.run(
                     rec,

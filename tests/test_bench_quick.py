@@ -53,6 +53,10 @@ EXPECTED: dict[str, tuple[set[str], set[str]]] = {
         {"no checkpoint", "stock dcp.save", "stock async_save", "ours async_save"},
         {"total_s", "step_median_s", "step_max_s"},
     ),
+    "forward": (
+        {"ours default", "ours eager only", "ours gate only", "ours unprotected"},
+        {"blocked_s", "first_forward_s", "plain_forward_s"},
+    ),
     "scaling": (
         {"stock dcp.save t1", "stock async_save default", "ours async pool 1/1"},
         {"blocked_s", "safe_s", "durable_s", "durable_gb_per_s"},
@@ -132,7 +136,14 @@ def test_results_file_holds_the_same_json_lines(quick_run: dict[str, Any]) -> No
 def test_summary_table_gives_every_target_a_verdict(quick_run: dict[str, Any]) -> None:
     stdout = quick_run["stdout"]
     summary = stdout[stdout.index("## Summary") :]
-    for heading in ("### Limits", "### Save", "### Load", "### Training", "### Scaling"):
+    for heading in (
+        "### Limits",
+        "### Save",
+        "### Load",
+        "### Training",
+        "### Forward",
+        "### Scaling",
+    ):
         assert heading in summary
     assert "### Two ranks" in summary and "### Targets" in summary
     rows = {ln.split("|")[1].strip(): ln for ln in summary.splitlines() if ln.startswith("| ")}

@@ -25,7 +25,6 @@ from dcp_datastates import (
 )
 from dcp_datastates.format import METADATA_NAME
 from dcp_datastates.snapshot.capture import capture
-from dcp_datastates.snapshot.engine import SnapshotSession
 
 
 class GatedPlanningWriter(DataStatesWriter):
@@ -37,12 +36,12 @@ class GatedPlanningWriter(DataStatesWriter):
         self.planned_on: list[str] = []
         self.fail = fail
 
-    def _plan_captured(self, captured: Any, rank: int) -> SnapshotSession:
+    def _plan_captured(self, captured: Any, call: Any) -> Any:
         self.planned_on.append(threading.current_thread().name)
         assert self.gate.wait(EVENT_TIMEOUT_S)
         if self.fail is not None:
             raise self.fail
-        return super()._plan_captured(captured, rank)
+        return super()._plan_captured(captured, call)
 
 
 @pytest.fixture
@@ -73,7 +72,7 @@ def test_planning_runs_off_the_callers_thread(tmp_path: Path, gated: Any) -> Non
 
 def test_a_write_between_stage_and_planning_fails_the_save(tmp_path: Path, gated: Any) -> None:
     writer = gated(guard_optimizer_step=False)
-    weight = torch.ones(1024)
+    weight = torch.ones(4096)  # above eager_copy_bytes: not copied by stage()
     response = async_save({"w": weight}, writer, no_dist=True)
     weight.add_(1.0)  # before planning: only the version recorded by stage() can tell
     writer.gate.set()
@@ -87,14 +86,14 @@ def test_a_write_between_stage_and_planning_fails_the_save(tmp_path: Path, gated
 
 def test_an_entry_replaced_after_stage_is_not_what_gets_saved(tmp_path: Path, gated: Any) -> None:
     writer = gated()
-    staged = torch.full((16,), 1.0)
+    staged = torch.full((4096,), 1.0)
     state = {"w": staged, "meta": {"epoch": 1}}
     response = async_save(state, writer, no_dist=True)
-    state["w"] = torch.full((16,), 2.0)  # same shape: DCP's plan still matches
+    state["w"] = torch.full((4096,), 2.0)  # same shape: DCP's plan still matches
     writer.gate.set()
     response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
 
-    loaded = load_like(tmp_path / "ckpt", {"w": torch.zeros(16)}, "stock")
+    loaded = load_like(tmp_path / "ckpt", {"w": torch.zeros(4096)}, "stock")
     assert torch.equal(loaded["w"], staged)
 
 

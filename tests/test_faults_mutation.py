@@ -101,7 +101,9 @@ def test_guard_on_an_in_place_change_outside_the_optimizer_still_fails_the_save(
     tmp_path: Path, make_writer
 ) -> None:
     _, _, state = _training()
-    writer = make_writer(tmp_path / "unused", **LONG_SNAPSHOT)
+    # Small tensors are copied during stage() (eager_copy_bytes): turn that off so the bias is
+    # still waiting for its copy when it changes.
+    writer = make_writer(tmp_path / "unused", eager_copy_bytes=0, **LONG_SNAPSHOT)
 
     response = async_save(state, writer, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     assert not response.staging_completion.done(), "the snapshot was not long enough to race"

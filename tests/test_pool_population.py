@@ -33,7 +33,7 @@ def gated_pool(monkeypatch: pytest.MonkeyPatch) -> Any:
     GatedBuffer.gate = threading.Event()
     monkeypatch.setattr(pool_module, "SLICE_BYTES", MiB)
     monkeypatch.setattr(pool_module, "PopulatedBuffer", GatedBuffer)
-    pool = pool_module.HostPool(4 * MiB)
+    pool = pool_module.HostPool(4 * MiB, populate=True)
     yield pool
     GatedBuffer.gate.set()
     pool.close()

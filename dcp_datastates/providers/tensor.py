@@ -29,21 +29,38 @@ class TensorProvider:
         if tensor.is_conj() or tensor.is_neg():
             tensor = tensor.resolve_conj().resolve_neg()
         self.fqn = fqn
-        self.source = tensor.detach()  # shares the version counter with the live tensor
+        self.source: torch.Tensor | None = tensor.detach()  # shares the live version counter
         self._version = self.source._version
+        self.dtype = self.source.dtype
+        self.shape = tuple(self.source.shape)
         self._nbytes = self.source.numel() * self.source.element_size()
-        self._rows = self.source.shape[0] if self.source.dim() > 0 else 1
+        self._contiguous = self.source.is_contiguous()
+        self._rows = self.shape[0] if self.shape else 1
         self._row_bytes = (self._nbytes // self._rows) if self._rows else 0
         self._probes = probe(self.source, self._nbytes)
+        #: A private copy taken by :meth:`freeze`; copies read it instead of the live tensor.
+        self._frozen: torch.Tensor | None = None
+        self._torn: int | None = None  # live version seen by a freeze that came too late
+        self.parts = 0  # copy parts the snapshot planned for this provider
+        self._parts_done = 0  # an undercount under concurrent copies, never an overcount
 
     @property
     def nbytes(self) -> int:
         return self._nbytes
 
     @property
+    def storage_key(self) -> int:
+        """Identifies the live tensor's storage (its base address): how a module buffer is
+        matched to the provider that snapshots it. 0 for an empty or released tensor."""
+        src = self.source
+        if src is None or self._nbytes == 0:
+            return 0
+        return storage_key(src)
+
+    @property
     def frame(self) -> RecordFrame:
         # Built (and cached per dtype/shape) by the flush thread, never on the training thread.
-        return record_frame(self.source.dtype, tuple(self.source.shape))
+        return record_frame(self.dtype, self.shape)
 
     @property
     def payload(self) -> None:
@@ -53,19 +70,21 @@ class TensorProvider:
         total = self.nbytes
         if total == 0:
             return []
-        if self.source.is_contiguous():
+        if self._contiguous:
             step = max_bytes
         else:
             # Non-contiguous sources are copied a block of whole rows at a time.
             step = max(1, max_bytes // max(self._row_bytes, 1)) * self._row_bytes
         return [(start, min(start + step, total)) for start in range(0, total, step)]
 
-    def copy_into(self, dst: torch.Tensor, start: int, stop: int) -> None:
-        src = self.source
-        if src.is_contiguous():
+    def note_part(self) -> None:
+        """The snapshot planned one more copy part of this provider."""
+        self.parts += 1
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, start: int, stop: int) -> None:
+        if self._contiguous:
             flat = src.reshape(-1) if src.dim() != 1 else src
             dst.copy_(flat.view(torch.uint8)[start:stop])
-            self._check_probes(dst, start, stop)
             return
         r0, r1 = start // self._row_bytes, stop // self._row_bytes
         rows = src[r0:r1]
@@ -97,10 +116,72 @@ class TensorProvider:
             return
         self._version = version
 
+    def copy_into(self, dst: torch.Tensor, start: int, stop: int) -> None:
+        frozen = self._frozen
+        live = self.source
+        if frozen is None and live is None:
+            raise RuntimeError(f"tensor {self.fqn!r} was released before its snapshot was copied")
+        src = frozen if frozen is not None else live
+        assert src is not None
+        self._copy(src, dst, start, stop)
+        if src is live and live._version != self._version:
+            # A freeze may have run while we copied, and the live tensor changed after it: the
+            # frozen copy holds the staged bytes.
+            frozen = self._frozen
+            if frozen is not None:
+                self._copy(frozen, dst, start, stop)
+        if self._contiguous:
+            self._check_probes(dst, start, stop)
+        self._parts_done += 1
+
     def check_unchanged(self, rank: int) -> None:
-        now = self.source._version
+        if self._torn is not None:
+            raise SnapshotMutationError(
+                fqn=self.fqn, rank=rank, before=self._version, after=self._torn
+            )
+        if self._frozen is not None:
+            return  # copies read the private copy, which nothing else can change
+        live = self.source
+        now = live._version if live is not None else self._version
         if now != self._version:
             raise SnapshotMutationError(fqn=self.fqn, rank=rank, before=self._version, after=now)
+
+    def freeze(self) -> int:
+        """Take a private copy of the live tensor now (on the caller's thread, on its device),
+        unless every byte was copied already; later copies read it, so the live tensor may
+        change from here on. Returns the bytes copied.
+
+        Called before the caller's next write (by ``stage()`` for small tensors, and by the
+        forward gate for module buffers). A live tensor that changed before the freeze is
+        recorded: the snapshot then fails with :class:`SnapshotMutationError`.
+        """
+        live = self.source
+        if (
+            live is None
+            or self._frozen is not None
+            or self._nbytes == 0
+            or (self.parts and self._parts_done >= self.parts)
+        ):
+            return 0
+        if live._version != self._version:
+            self._torn = live._version
+            return 0
+        frozen = live.clone()
+        if live._version != self._version:  # pragma: no cover - another thread wrote meanwhile
+            self._torn = live._version
+            return 0
+        self._frozen = frozen
+        return self._nbytes
+
+    def release(self) -> None:
+        """Drop the references to the live tensor and any private copy (the save is over)."""
+        self.source = None
+        self._frozen = None
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The base address of ``tensor``'s storage, from cheap accessors (no storage object)."""
+    return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
 
 
 #: Bytes sampled at each of the head, middle and tail of a tensor at stage time (``probe``).

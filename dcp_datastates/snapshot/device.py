@@ -92,8 +92,11 @@ class CopyDevice(Protocol):
 
 
 def source_of(provider: StateProvider) -> torch.Tensor | None:
-    """The tensor a provider copies from, when it exposes one (custom providers may not)."""
-    source = getattr(provider, "source", None)
+    """The tensor a provider copies from, when it exposes one (custom providers may not): its
+    private copy once ``freeze()`` took one (TensorProvider), else the live tensor."""
+    source = getattr(provider, "_frozen", None)
+    if source is None:
+        source = getattr(provider, "source", None)
     return source if isinstance(source, torch.Tensor) else None
 
 

@@ -14,6 +14,9 @@ space or next in line for its file's flusher).
 
 A piece is released when every item slice that refers to it was flushed or dropped (``refs``).
 
+A session is *retired* once its save is over (flushed, failed or dropped) and no copy is in
+flight: it then lets go of its providers, and so of the caller's tensors.
+
 Copies go through the session's device layer (``device.py``). On the CPU a copy worker copies and
 checks the source's version counter, then marks the piece COPIED. On a device with asynchronous
 copies (CUDA, the test fake) the worker only *enqueues* the copy (gated on the events ``stage()``
@@ -36,7 +39,7 @@ from typing import Any
 
 from ..errors import SnapshotAbortedError
 from ..providers import StateProvider
-from .device import Completion, CopyDevice, devices_of, for_providers
+from .device import CPU, Completion, CopyDevice, devices_of, for_providers
 from .pool import HostPool
 
 logger = logging.getLogger(__name__)
@@ -95,14 +98,15 @@ class SnapshotSession:
         self,
         items: Sequence[tuple[Any, StateProvider]],
         *,
-        pool: HostPool,
+        pool: HostPool | None,
         chunk_bytes: int,
         coalesce_bytes: int,
         rank: int,
         device: CopyDevice | None = None,
+        deferred: bool = False,
     ) -> None:
         self.rank = rank
-        self.pool = pool
+        self.pool = pool  # None only while a deferred session is not planned yet
         self.providers: dict[Any, StateProvider] = {}
         self.slices: dict[Any, list[Slice]] = {}
         self.pieces: list[Piece] = []
@@ -113,9 +117,29 @@ class SnapshotSession:
         self.staged_at: float | None = None
         self.owner: threading.Thread | None = None  # the DCP thread that flushes it
         self.flush_started = False
+        self.flush_done = False
+        #: Seconds optimizer steps waited for this session (set by the guard).
+        self.optimizer_wait_s = 0.0
+        #: Bytes copied on the caller's thread (``freeze``) at stage() and at the forward gate.
+        self.eager_bytes = 0
+        self.forward_frozen_bytes = 0
+        self.forward_blocked_s = 0.0
         self._lock = threading.Lock()
         self._unfinished = 0
+        self._retiring = False
+        self.retired = False
+        #: Called (once, on any thread) when the session has retired.
+        self.on_retired: Callable[[SnapshotSession], None] | None = None
+        #: Set once the items are known: at once, or by :meth:`plan` for a ``deferred`` session
+        #: (``stage()`` recorded the state; the planning thread plans it, ``capture.py``).
+        self.planned = threading.Event()
+        if deferred:
+            self.device = CPU
+            self.gate = None
+            self.fenced = False
+            return
         self._build(items, chunk_bytes, coalesce_bytes)
+        self.planned.set()
         #: set by the optimizer-step guard once the step's stream waits on every copy
         self.fenced = False
         self.device: CopyDevice = device or for_providers(list(self.providers.values()))
@@ -128,6 +152,29 @@ class SnapshotSession:
         )
 
     # -- planning --------------------------------------------------------------------------
+    def plan(
+        self,
+        items: Sequence[tuple[Any, StateProvider]],
+        *,
+        pool: HostPool,
+        chunk_bytes: int,
+        coalesce_bytes: int,
+    ) -> bool:
+        """Give a ``deferred`` session its items (host copies only); False if it was dropped
+        meanwhile (then it stays empty and is never started)."""
+        with self._lock:
+            if self.error is None and not self._retiring:
+                self.pool = pool
+                self._build(items, chunk_bytes, coalesce_bytes)
+            planned = self.pool is not None
+            self.planned.set()
+        return planned
+
+    def plan_failed(self, error: BaseException) -> None:
+        """Planning a deferred session raised ``error``: the save reports it (its flush)."""
+        self.abort(error)
+        self.planned.set()
+
     def _new_piece(self) -> Piece:
         piece = Piece(seq=len(self.pieces), nbytes=0)
         self.pieces.append(piece)
@@ -157,6 +204,9 @@ class SnapshotSession:
         at = piece.nbytes
         at += (-at) % 64  # keep every part aligned for dtype views of the pool
         piece.parts.append((provider, start, stop, at))
+        note_part = getattr(provider, "note_part", None)
+        if note_part is not None:
+            note_part()
         piece.nbytes = at + (stop - start)
         piece.refs += 1
         self.slices.setdefault(key, []).append(Slice(piece, at, stop - start))
@@ -195,9 +245,12 @@ class SnapshotSession:
             if piece.refs == 0 or self.error is not None:
                 self._release(piece)
             self._finished_one()
+            retire = self._retiring and self._quiet()
         piece.finish()
         if error is not None:
             self.abort(error)
+        if retire:
+            self._retire_now()
 
     def _release(self, piece: Piece) -> None:
         # caller holds self._lock
@@ -234,11 +287,69 @@ class SnapshotSession:
                     self._release(piece)
                 if piece.state != ADMITTED:
                     piece.finish()
-        self.pool.wake()
+            if not self.planned.is_set():
+                self._mark_staged()  # never planned: nothing will be copied from the state
+        if self.pool is not None:
+            self.pool.wake()
 
     @property
     def aborted(self) -> bool:
         return self.error is not None
+
+    def add_optimizer_wait(self, seconds: float) -> None:
+        self.optimizer_wait_s += seconds
+
+    def raw_providers(self) -> list[StateProvider]:
+        """Providers with bytes to copy into the pool (tensors), in snapshot order."""
+        return [p for p in self.providers.values() if p.nbytes > 0]
+
+    def freeze_small(self, max_bytes: int) -> int:
+        """Copy, on the caller's thread, every tensor of at most ``max_bytes``: later writes to
+        such tensors (counters, small statistics) cannot reach the snapshot. Returns bytes."""
+        copied = 0
+        if max_bytes <= 0:
+            return 0
+        for provider in self.providers.values():
+            freeze = getattr(provider, "freeze", None)
+            if freeze is not None and 0 < provider.nbytes <= max_bytes:
+                copied += freeze()
+        self.eager_bytes += copied
+        return copied
+
+    # -- retiring --------------------------------------------------------------------------
+    def _quiet(self) -> bool:
+        # caller holds self._lock: no copy is running or will start
+        return all(p.state != ADMITTED for p in self.pieces) and (
+            self.aborted or all(p.state != PENDING for p in self.pieces)
+        )
+
+    def retire(self) -> None:
+        """The save is over (flushed, failed or dropped): once no copy is in flight, release the
+        providers and with them every reference to the caller's tensors."""
+        with self._lock:
+            if self._retiring:
+                return
+            self._retiring = True
+            now = self._quiet()
+        if now:
+            self._retire_now()
+
+    def _retire_now(self) -> None:
+        with self._lock:
+            if self.retired:
+                return
+            self.retired = True
+            providers = list(self.providers.values())
+            for piece in self.pieces:
+                piece.parts = []
+        for provider in providers:
+            release = getattr(provider, "release", None)
+            if release is not None:
+                release()
+        self.providers = {}
+        self.slices = {}
+        if self.on_retired is not None:
+            self.on_retired(self)
 
     @property
     def finished(self) -> bool:
@@ -289,6 +400,7 @@ class SnapshotScheduler:
     def __init__(self, pool: HostPool, *, copy_workers: int, on_stall: Callable[[], None]) -> None:
         self.pool = pool
         self._on_stall = on_stall
+        self._on_exit: Callable[[], None] | None = None
         self._queue: queue.SimpleQueue[SnapshotSession | None] = queue.SimpleQueue()
         self._copies = ThreadPoolExecutor(copy_workers, thread_name_prefix="datastates-copy")
         self._thread = threading.Thread(target=self._run, name="datastates-snapshot", daemon=True)
@@ -302,20 +414,34 @@ class SnapshotScheduler:
         self._queue.put(session)
 
     def close(self) -> None:
+        """Stop after the queued sessions; wait for the threads (unless called on one of them)."""
         self._queue.put(None)
-        self._thread.join()
-        self._copies.shutdown(wait=True)
-        if self._completer is not None:
-            self._completions.put(None)
-            self._completer.join()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def stop(self, on_exit: Callable[[], None]) -> None:
+        """Stop after the queued sessions without waiting (safe from a finalizer on any thread);
+        ``on_exit`` runs on the scheduler thread once every copy has finished."""
+        self._on_exit = on_exit
+        self._queue.put(None)
 
     def _run(self) -> None:
-        while (session := self._queue.get()) is not None:
-            try:
-                self._admit_all(session)
-            except BaseException as exc:  # never let an error die in this thread
-                logger.exception("rank %d: snapshot scheduling failed", session.rank)
-                session.abort(exc)
+        try:
+            while (session := self._queue.get()) is not None:
+                try:
+                    self._admit_all(session)
+                except BaseException as exc:  # never let an error die in this thread
+                    logger.exception("rank %d: snapshot scheduling failed", session.rank)
+                    session.abort(exc)
+        finally:
+            self._copies.shutdown(wait=True)
+            with self._completer_lock:
+                completer, self._completer = self._completer, None
+            if completer is not None:  # every enqueued copy completes (and frees its block) first
+                self._completions.put(None)
+                completer.join()
+            if self._on_exit is not None:
+                self._on_exit()
 
     def _admit_all(self, session: SnapshotSession) -> None:
         for piece in session.pieces:
@@ -367,6 +493,7 @@ class SnapshotScheduler:
                 error = error or exc
             if error is None:
                 try:
+                    _copy_frozen_parts(session, piece)
                     piece.check_unchanged(session.rank)
                 except BaseException as exc:
                     # After a fence the step may bump versions: its kernels run after the copy,
@@ -379,10 +506,22 @@ class SnapshotScheduler:
                 logger.exception("rank %d: completing snapshot piece %d", session.rank, piece.seq)
 
 
+def _copy_frozen_parts(session: SnapshotSession, piece: Piece) -> None:
+    """Parts whose provider took a private copy (``freeze``: eager small tensors, buffers the
+    forward gate saved) are copied again from it: the device copy may have read the live tensor
+    before the freeze, and the live tensor may have changed since."""
+    for provider, start, stop, at in piece.parts:
+        if getattr(provider, "_frozen", None) is not None:
+            provider.copy_into(session.pool.view(piece.offset + at, stop - start), start, stop)
+
+
 def _copy_piece(session: SnapshotSession, piece: Piece) -> None:
     error: BaseException | None = None
     try:
         for provider, start, stop, at in piece.parts:
+            if session.aborted:  # dropped meanwhile: do not read (nor wait for) its sources
+                error = session.error
+                break
             provider.copy_into(session.pool.view(piece.offset + at, stop - start), start, stop)
             # Checked after the copy: a bump before or during it means the bytes may be torn.
             provider.check_unchanged(session.rank)

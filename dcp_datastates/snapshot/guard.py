@@ -25,9 +25,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_pending: dict[Future[None], Callable[[], bool] | None] = {}
+#: Staged futures optimizer steps wait for, each with who to tell how long a step waited and
+#: how to fence the step on the device instead (None: the host waits).
+_pending: dict[Future[None], tuple[Callable[[float], None] | None, Callable[[], bool] | None]] = {}
 _handle: Any = None
-#: Seconds optimizer steps spent waiting on snapshots, for stats and tests.
+#: Seconds optimizer steps spent waiting on snapshots (all writers), for tests and logs.
 waited_seconds = 0.0
 waits = 0
 #: Steps that were fenced on the device instead of waiting on the host.
@@ -37,13 +39,18 @@ fences = 0
 def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     global waited_seconds, waits, fences
     with _lock:
-        pending = [(f, fence) for f, fence in _pending.items() if not f.done()]
+        pending = [(f, cb, fence) for f, (cb, fence) in _pending.items() if not f.done()]
     if not pending:
         return
     start = time.perf_counter()
-    host = [f for f, fence in pending if fence is None or not _fenced(fence)]
-    if host:
-        wait(host)
+    host = False
+    for staged, on_wait, fence in pending:
+        if fence is None or not _fenced(fence):
+            host = True
+            wait([staged])
+        if on_wait is not None:
+            # This snapshot held the step back (on the host, or until fenced) this long.
+            on_wait(time.perf_counter() - start)
     waited = time.perf_counter() - start
     with _lock:
         waited_seconds += waited
@@ -64,16 +71,19 @@ def _fenced(fence: Callable[[], bool]) -> bool:
         return False
 
 
-def guard(staged: Future[None], fence: Callable[[], bool] | None = None) -> None:
-    """Make optimizer steps wait for ``staged`` until it resolves.
-
-    ``fence``, if given, is tried first: True means the step's stream now waits on the device.
-    """
+def guard(
+    staged: Future[None],
+    on_wait: Callable[[float], None] | None = None,
+    fence: Callable[[], bool] | None = None,
+) -> None:
+    """Make optimizer steps wait for ``staged`` until it resolves; ``on_wait(seconds)`` is told
+    how long each step that waited was held back by it. ``fence``, if given, is tried first:
+    True means the step's stream now waits for the snapshot on the device, not the host."""
     global _handle
     with _lock:
         if _handle is None:
             _handle = register_optimizer_step_pre_hook(_pre_step_hook)
-        _pending[staged] = fence
+        _pending[staged] = (on_wait, fence)
     staged.add_done_callback(_forget)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,15 @@ logger = logging.getLogger(__name__)
 ALIGN = 64
 
 
+#: Every pool not yet collected, for leak checks (``live_pools``).
+_LIVE: weakref.WeakSet[HostPool] = weakref.WeakSet()
+
+
+def live_pools() -> list[HostPool]:
+    """Pools that still hold their buffer (allocated and not closed)."""
+    return [p for p in list(_LIVE) if p.allocated_bytes]
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -31,12 +41,14 @@ class HostPool:
     """``capacity`` bytes of host memory handed out as aligned blocks.
 
     The buffer is allocated lazily by the first :meth:`reserve` (on the scheduler thread, never on
-    the training thread) and kept until :meth:`close`. With a GPU, pinning it takes seconds for
+    the training thread) and kept until :meth:`close`; with ``populate`` (a writer's pool) it is
+    mapped at once and faulted in by a background thread (``hostmem.py``), and a reserve waits
+    only until its own block is. With a GPU, pinning it takes seconds for
     tens of GB, so it starts in the background as soon as the pool exists (the size is known),
     pinned through the creating thread's device (the rank's own); the first reserve waits for it.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, populate: bool = False) -> None:
         self.capacity = _align(capacity)
         self._buffer: torch.Tensor | None = None
         self._cond = threading.Condition()
@@ -45,6 +57,7 @@ class HostPool:
         self._head = 0
         self.in_use = 0
         self.peak_in_use = 0
+        _LIVE.add(self)
         self._allocation: threading.Thread | None = None
         self._allocated: list[torch.Tensor | BaseException] = []
         #: Bytes from offset 0 that are faulted in (unpinned pools, populated in the background).
@@ -58,7 +71,7 @@ class HostPool:
                 target=self._allocate, args=(device,), name="datastates-pin", daemon=True
             )
             self._allocation.start()
-        else:
+        elif populate:
             # First touch of fresh pages made the first save several times slower than the next
             # (hostmem.py): fault them in now, front first, while the first snapshot is planned.
             self._populating = PopulatedBuffer(self.capacity)
@@ -217,3 +230,13 @@ class HostPool:
             self._allocation.join()
             self._allocation = None
             self._allocated.clear()
+
+    def discard(self) -> None:
+        """Drop the buffer whatever is in use (its owner is gone; nothing reads it any more)."""
+        self._allocated.clear()  # a pinning still running is dropped when it ends
+        with self._cond:
+            self._buffer = None
+            self._blocks.clear()
+            self._by_offset.clear()
+            self.in_use = 0
+            self._cond.notify_all()

@@ -2,7 +2,8 @@
 
 ``DataStatesWriter`` speaks DCP's contract; everything that outlives one writer call lives here:
 
-* the host pool and the snapshot threads, sized and started by the first save;
+* the host pool and the snapshot threads, sized and started by the first save, given back by
+  ``close()`` or, for a writer dropped without it, when the writer is garbage collected;
 * the hand-off of a session from ``stage()`` (caller's thread) to the DCP thread that saves it
   (``claim``);
 * the flushes that are running (``close()`` waits for them);
@@ -10,10 +11,17 @@
 
 Session lifecycle as the runtime sees it::
 
-    new_session --stage()--> UNCLAIMED --claim()--> CLAIMED --start_flush()--> FLUSHING --> done
-        |                        |                     |
-        +--(plain dcp.save)------+---------------------+--> start_snapshot() + start_flush()
-                                 +--(never claimed / owner died / close)--> aborted
+    new_session --stage()--> UNCLAIMED --claim()--> CLAIMED --start_flush()--> FLUSHING
+        |                        |                     |                          |
+        |                        |  never claimed /    |  owner thread died       |  flush
+        |                        |  close() / writer   |  before writing          |  resolved
+        |                        v  collected          v                          v
+        +--(plain dcp.save: start_snapshot + start_flush)------------------> RETIRED
+
+A session *retires* (``SnapshotSession.retire``) when its flush resolves or it is aborted, and no
+copy is in flight: its pool blocks are back and it holds no reference to the caller's tensors.
+``close()`` waits for every session to retire (those staged by ``dcp.async_save`` are about to
+be claimed) and refuses new work from its first line on.
 """
 
 from __future__ import annotations
@@ -22,25 +30,30 @@ import concurrent.futures
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem
 
-from ..errors import InvalidStateDictError, SnapshotAbortedError
+from ..errors import InvalidStateDictError, SnapshotAbortedError, WriterClosedError
 from ..flush import flush
 from ..options import MiB, WriterOptions
 from ..providers import StateProvider
 from ..storage import Storage
+from . import forward_gate as _forward_gate
 from . import guard as _guard
 from .engine import SnapshotScheduler, SnapshotSession
 from .pool import HostPool
 
 logger = logging.getLogger(__name__)
 
-#: How long a new stage() waits for the previous staged snapshot to be claimed by its DCP thread.
+#: How long a staged snapshot may wait for the save that claims it; then it is dropped.
 CLAIM_TIMEOUT_S = 30.0
+#: Smallest automatically sized pool.
+MIN_AUTO_POOL = 16 * MiB
 
 
 def physical_memory() -> int:
@@ -50,16 +63,27 @@ def physical_memory() -> int:
         return 16 << 30
 
 
-def pool_bytes_for(state_bytes: int, items: int) -> int:
-    """Pool bytes that hold a whole state: pieces align each tensor to 64 bytes."""
-    return state_bytes + 64 * items
+def local_world_size() -> int:
+    """Ranks on this node, from the launcher's environment (torchrun, Open MPI); 1 if unknown."""
+    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def auto_pool_bytes(options: WriterOptions, expected_bytes: int) -> int:
+    """The automatic pool size: what this rank will write, capped at this rank's share of the
+    node (``max_pool_fraction`` of physical memory divided by ``LOCAL_WORLD_SIZE``)."""
+    cap = int(physical_memory() * options.max_pool_fraction) // local_world_size()
+    return max(MIN_AUTO_POOL, min(int(expected_bytes), cap))
 
 
 class _Resources:
     """What a runtime allocates once, on the first save, and reuses: pool and threads."""
 
     def __init__(self, options: WriterOptions, pool_bytes: int, on_stall: Any) -> None:
-        self.pool = HostPool(pool_bytes)
+        self.pool = HostPool(pool_bytes, populate=True)
         self.chunk_bytes = options.effective_chunk_bytes(self.pool.capacity)
         self.coalesce_bytes = min(options.coalesce_bytes, self.chunk_bytes)
         self.scheduler = SnapshotScheduler(
@@ -79,19 +103,34 @@ class _Resources:
         self.scheduler.close()  # waits for copies in flight; they release their blocks
         self.pool.close()
 
+    def abandon(self) -> None:
+        """Stop without waiting (from a finalizer): the threads exit once their copies end and
+        then drop the pool's buffer."""
+        self.scheduler.stop(on_exit=self.pool.discard)
+
+
+@dataclass
+class _Staged:
+    session: SnapshotSession
+    thread: threading.Thread  # the thread that called stage(): never the one that claims
+    token: Any  # the writer's per-save record (its stats)
+    expect_claim: bool  # staged by a dcp.async_save, whose save thread will claim it
+    at: float
+
 
 class SnapshotRuntime:
     """Sessions of one writer across threads; see the module docstring for their lifecycle."""
 
-    def __init__(self, options: WriterOptions) -> None:
+    def __init__(self, options: WriterOptions, name: str) -> None:
         self.options = options
+        self.name = name  # the writer's path, for messages
         self._lock = threading.Lock()
-        self._claimed = threading.Condition(self._lock)
-        #: (session, or the future of one still being planned; staging thread; token)
-        self._unclaimed: tuple[Future[SnapshotSession], threading.Thread, Any] | None = None
-        self._planner: ThreadPoolExecutor | None = None  # builds sessions stage() recorded
+        self._changed = threading.Condition(self._lock)
+        self._unclaimed: _Staged | None = None
         self._sessions: list[SnapshotSession] = []
         self._resources: _Resources | None = None
+        self._planner: ThreadPoolExecutor | None = None  # plans what stage() recorded
+        self.closed = False
         #: ``staged`` future of the most recent ``stage()``.
         self.last_staged: Future[None] | None = None
 
@@ -108,31 +147,40 @@ class SnapshotRuntime:
     def pool_peak(self) -> int:
         return self._resources.pool.peak_in_use if self._resources is not None else 0
 
-    def _ensure(self, state_bytes: int, rank: int) -> _Resources:
-        with self._lock:  # the planning thread and a plain dcp.save's thread may both get here
-            return self._ensure_locked(state_bytes, rank)
-
-    def _ensure_locked(self, state_bytes: int, rank: int) -> _Resources:
+    def _ensure(self, expected_bytes: int, rank: int) -> _Resources:
+        # caller holds self._lock
         if self._resources is None:
             size = self.options.host_pool_bytes
             if size is None:
-                cap = int(physical_memory() * self.options.max_pool_fraction)
-                size = max(16 * MiB, min(state_bytes, cap))
+                size = auto_pool_bytes(self.options, expected_bytes)
             self._resources = _Resources(self.options, size, self.reap_abandoned)
             logger.info("rank %d: host pool of %d bytes", rank, self._resources.pool.capacity)
         return self._resources
 
-    def prepare(self, state_bytes: int, items: int, rank: int) -> HostPool:
-        """Size the pool for a first save of ``items`` items, ``state_bytes`` in all, and start
-        faulting it in (``pool.py``), if no save did yet; a later save reuses it as it is."""
-        return self._ensure(pool_bytes_for(state_bytes, items), rank).pool
+    def _closed_error(self) -> WriterClosedError:
+        return WriterClosedError(
+            f"the DataStatesWriter for {self.name} is closed; make a new writer to save again"
+        )
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise self._closed_error()
 
     # -- sessions ----------------------------------------------------------------------------
     def new_session(
-        self, items: Sequence[tuple[WriteItem, StateProvider]], rank: int
+        self,
+        items: Sequence[tuple[WriteItem, StateProvider]],
+        rank: int,
+        *,
+        expected_bytes: int | None = None,
     ) -> SnapshotSession:
-        """A session for this rank's ``items`` (not started): sizes the pool on first use."""
-        res = self._ensure(pool_bytes_for(sum(p.nbytes for _, p in items), len(items)), rank)
+        """A session for this rank's ``items`` (not started). The first one sizes the pool from
+        ``expected_bytes``, what this rank is expected to write (default: all of ``items``)."""
+        if expected_bytes is None:
+            expected_bytes = sum(p.nbytes for _, p in items)
+        with self._lock:
+            self.check_open()
+            res = self._ensure(expected_bytes, rank)
         session = SnapshotSession(
             [(item.index, provider) for item, provider in items],
             pool=res.pool,
@@ -141,8 +189,9 @@ class SnapshotRuntime:
             rank=rank,
         )
         self._check_fits(session, res.pool)
+        session.on_retired = self._retired
         with self._lock:
-            self._sessions = [s for s in self._sessions if not s.finished] + [session]
+            self._sessions = [s for s in self._sessions if not s.retired] + [session]
         return session
 
     @staticmethod
@@ -156,98 +205,149 @@ class SnapshotRuntime:
                     "raise host_pool_bytes or save a contiguous copy"
                 )
 
+    def _retired(self, session: SnapshotSession) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
     def stage(
         self,
         session: SnapshotSession,
         token: Any,
         *,
-        guard: bool,
         started: float,
-        on_device: bool = True,
+        expect_claim: bool,
     ) -> None:
-        """Start ``session``'s copies and leave it for the next save on another thread to claim
-        (with ``token``, the caller's per-save record). Waits for an earlier staged session to
-        be claimed first; one never claimed within :data:`CLAIM_TIMEOUT_S` is dropped.
-        ``guard``: optimizer steps wait for the snapshot; ``on_device``: on the device where the
-        copies allow it (a fence), else on the host."""
+        """Start ``session``'s copies and leave it for the save thread to claim (with ``token``,
+        the writer's per-save record). Waits for an earlier staged session to be claimed first;
+        one never claimed within :data:`CLAIM_TIMEOUT_S` is dropped."""
         session.created = started
-        built: Future[SnapshotSession] = Future()
-        built.set_result(session)
-        self._leave_for_claim(built, token, session.rank)
-        if guard:
-            _guard.guard(session.staged, session.fence_on_device if on_device else None)
+        self._leave_for_claim(session, token, expect_claim)
+        if self.options.guard_optimizer_step:
+            # On CUDA the step's stream may wait on the copies instead of the host (a fence).
+            fence = session.fence_on_device if self.options.guard_on_device else None
+            _guard.guard(session.staged, session.add_optimizer_wait, fence)
+        if self.options.guard_forward:
+            _forward_gate.protect(session)
         assert self._resources is not None
         self._resources.scheduler.submit(session)
         self.last_staged = session.staged
 
+    def _leave_for_claim(self, session: SnapshotSession, token: Any, expect_claim: bool) -> None:
+        with self._changed:
+            self.check_open()
+            if self._unclaimed is not None and not self._changed.wait_for(
+                lambda: self._unclaimed is None, timeout=CLAIM_TIMEOUT_S
+            ):
+                stale = self._unclaimed.session
+                self._unclaimed = None
+                logger.warning(
+                    "rank %d: a staged snapshot was never saved; dropping it", session.rank
+                )
+                self._abort(stale, self._never_claimed_error(stale.rank))
+            self.check_open()
+            self._unclaimed = _Staged(
+                session, threading.current_thread(), token, expect_claim, time.monotonic()
+            )
+
     def stage_later(
-        self, build: Callable[[], SnapshotSession], token: Any, *, guard: bool, started: float
-    ) -> Future[None]:
-        """:meth:`stage` for a session that ``build()`` makes on the planning thread (from what
-        the caller recorded, ``capture.py``): the caller only leaves it for the claim and
-        guards the optimizer step. Host copies only (the guard waits on the host). Returns the
-        ``staged`` future; it resolves when the snapshot is complete, or, if planning failed,
-        at once (the save reports that error, once, through its own future)."""
-        rank = getattr(token, "rank", 0)
-        built: Future[SnapshotSession] = Future()
-        staged: Future[None] = Future()
-        self._leave_for_claim(built, token, rank)
-        if guard:
-            _guard.guard(staged)
-        self.last_staged = staged
+        self,
+        plan: Callable[[], tuple[Sequence[tuple[WriteItem, StateProvider]], int]],
+        token: Any,
+        *,
+        rank: int,
+        started: float,
+        expect_claim: bool,
+    ) -> None:
+        """:meth:`stage` for a state ``stage()`` only recorded (``capture.py``): the session is
+        planned on the planning thread by ``plan()`` (its items and the bytes this rank will
+        write). Host copies only. Until it is planned, the optimizer step waits as for the
+        copies, module forwards wait too (so the forward gate covers its buffers), and the save
+        thread's claim waits; a planning failure fails the session, and so the save."""
+        session = SnapshotSession(
+            [], pool=None, chunk_bytes=0, coalesce_bytes=0, rank=rank, deferred=True
+        )
+        session.created = started
+        session.on_retired = self._retired
         with self._lock:
+            self.check_open()
+            self._sessions = [s for s in self._sessions if not s.retired] + [session]
             if self._planner is None:
                 self._planner = ThreadPoolExecutor(1, thread_name_prefix="datastates-plan")
             planner = self._planner
-        planner.submit(self._build_and_start, build, built, staged, started)
-        return staged
+        self._leave_for_claim(session, token, expect_claim)
+        if self.options.guard_optimizer_step:
+            _guard.guard(session.staged, session.add_optimizer_wait, None)
+        if self.options.guard_forward:
+            _forward_gate.hold(session)
+        self.last_staged = session.staged
+        planner.submit(self._plan_and_start, session, plan)
 
-    def _build_and_start(
+    def _plan_and_start(
         self,
-        build: Callable[[], SnapshotSession],
-        built: Future[SnapshotSession],
-        staged: Future[None],
-        started: float,
+        session: SnapshotSession,
+        plan: Callable[[], tuple[Sequence[tuple[WriteItem, StateProvider]], int]],
     ) -> None:
         try:
-            session = build()
-        except BaseException as exc:  # reaches the save through claim(); the state is free
-            built.set_exception(exc)
-            staged.set_result(None)
-            return
-        session.created = started
-        session.staged.add_done_callback(lambda _: staged.set_result(None))
-        built.set_result(session)
-        assert self._resources is not None
-        self._resources.scheduler.submit(session)
-
-    def _leave_for_claim(self, built: Future[SnapshotSession], token: Any, rank: int) -> None:
-        with self._claimed:
-            if self._unclaimed is not None and not self._claimed.wait_for(
-                lambda: self._unclaimed is None, timeout=CLAIM_TIMEOUT_S
-            ):
-                logger.warning("rank %d: a staged snapshot was never saved; dropping it", rank)
-                error = SnapshotAbortedError(
-                    f"rank {rank}: a snapshot staged {CLAIM_TIMEOUT_S:.0f}s ago was "
-                    "never picked up by a save; it was dropped. Call stage() only through "
-                    "dcp.async_save or dcp_datastates.async_save"
+            try:
+                items, expected_bytes = plan()
+                with self._lock:  # close() waits for this session: planning goes on
+                    res = self._ensure(expected_bytes, session.rank)
+                planned = session.plan(
+                    [(item.index, provider) for item, provider in items],
+                    pool=res.pool,
+                    chunk_bytes=res.chunk_bytes,
+                    coalesce_bytes=res.coalesce_bytes,
                 )
-                _abort_when_built(self._unclaimed[0], error)
-            self._unclaimed = (built, threading.current_thread(), token)
+                if planned:
+                    self._check_fits(session, res.pool)
+            except BaseException as exc:  # reaches the save through its flush, once
+                session.plan_failed(exc)
+                return
+            if not planned:
+                return
+            if self.options.guard_forward:
+                _forward_gate.protect(session)
+            res.scheduler.submit(session)
+        finally:
+            _forward_gate.release(session)
+
+    def prepare(self, expected_bytes: int, rank: int) -> HostPool:
+        """Size the pool now (if no save did yet) and start faulting it in (``pool.py``)."""
+        with self._lock:
+            self.check_open()
+            return self._ensure(expected_bytes, rank).pool
+
+    @staticmethod
+    def _never_claimed_error(rank: int) -> SnapshotAbortedError:
+        return SnapshotAbortedError(
+            f"rank {rank}: a snapshot staged {CLAIM_TIMEOUT_S:.0f}s ago was never picked up by "
+            "a save; it was dropped. Call stage() only through dcp.async_save (with this writer "
+            "as storage_writer) or dcp_datastates.async_save"
+        )
+
+    def has_unclaimed(self) -> bool:
+        return self._unclaimed is not None
 
     def claim(self) -> tuple[SnapshotSession, Any] | None:
-        """On a DCP save thread: take the session staged (on another thread) for this save;
-        waits here, not on the caller, for its planning to end (and raises what that raised)."""
-        with self._claimed:
+        """On a DCP save thread: take the session staged (on another thread) for this save."""
+        with self._changed:
             pending = self._unclaimed
-            if pending is None or pending[1] is threading.current_thread():
+            if pending is None or pending.thread is threading.current_thread():
                 return None
-            built, _, token = pending
             self._unclaimed = None
-            self._claimed.notify_all()
-        session = built.result()
-        session.owner = threading.current_thread()
-        return session, token
+            self._changed.notify_all()
+            pending.session.owner = threading.current_thread()
+        pending.session.planned.wait()  # a deferred session: here, not on the caller's thread
+        return pending.session, pending.token
+
+    def drop_unclaimed(self, error: BaseException) -> None:
+        """The save that was to claim the staged session will not run (``dcp.async_save``
+        failed after staging): drop the session now."""
+        with self._changed:
+            pending, self._unclaimed = self._unclaimed, None
+            self._changed.notify_all()
+        if pending is not None:
+            self._abort(pending.session, error)
 
     def start_snapshot(self, session: SnapshotSession) -> None:
         """A plain ``dcp.save``: snapshot the live tensors now, on this (the saving) thread's
@@ -264,8 +364,18 @@ class SnapshotRuntime:
         items: Sequence[WriteItem],
         prefix: str,
     ) -> Future[Any]:
-        """Write ``items`` of ``session`` as their pieces land; the future holds the results."""
-        session.flush_started = True
+        """Write ``items`` of ``session`` as their pieces land; the future holds the results.
+
+        A session that was dropped (``close()`` gave up on it) fails here with its error: the
+        live tensors are never read in its place."""
+        with self._lock:
+            res = self._resources
+            if session.aborted or res is None:
+                failed: Future[Any] = Future()
+                failed.set_exception(session.error or self._closed_error())
+                session.retire()
+                return failed
+            session.flush_started = True
         result = flush(
             storage=storage,
             items=items,
@@ -274,56 +384,111 @@ class SnapshotRuntime:
             workers=self.options.flush_workers,
             sync=self.options.sync_files,
         )
-        assert self._resources is not None
-        self._resources.track(result)
+        res.track(result)
+        result.add_done_callback(lambda _f: self._flush_over(session))
         return result
 
+    def _flush_over(self, session: SnapshotSession) -> None:
+        session.flush_done = True
+        session.retire()
+
     # -- sessions nobody will write ----------------------------------------------------------
+    def _abort(self, session: SnapshotSession, error: BaseException) -> None:
+        session.abort(error)
+        if not session.flush_started:
+            session.retire()  # a flush that did start retires it when it resolves
+
     def reap_abandoned(self) -> None:
-        """Abort snapshots whose DCP thread died before flushing them (their save failed early)."""
-        with self._lock:
+        """Abort snapshots nobody will write: the DCP thread that claimed one died before
+        flushing it (its save failed while planning), or none claimed it in time."""
+        now = time.monotonic()
+        with self._changed:
             sessions = list(self._sessions)
+            stale = self._unclaimed
+            if stale is not None and now - stale.at > CLAIM_TIMEOUT_S:
+                self._unclaimed = None
+                self._changed.notify_all()
+            else:
+                stale = None
+        if stale is not None:
+            logger.warning(
+                "rank %d: a staged snapshot was never saved; dropping it", stale.session.rank
+            )
+            self._abort(stale.session, self._never_claimed_error(stale.session.rank))
         for s in sessions:
             if s.owner is not None and not s.owner.is_alive() and not s.flush_started:
-                s.abort(
+                self._abort(
+                    s,
                     SnapshotAbortedError(
                         f"rank {s.rank}: the DCP save thread {s.owner.name!r} exited before "
                         "writing its snapshot (its save failed while planning; see that save's "
                         "error); the snapshot was dropped and its pool space freed"
-                    )
+                    ),
                 )
 
-    def drop_unwritten(self, error: BaseException) -> None:
-        """Abort snapshots that no save will write any more (for a writer whose saves are over:
-        a save that failed while planning leaves its copied pieces holding the pool)."""
-        with self._lock:
-            sessions = [s for s in self._sessions if not s.finished]
-            self._unclaimed = None
-        for s in sessions:
-            s.abort(error)
+    def _busy(self) -> list[SnapshotSession]:
+        # caller holds self._lock
+        return [s for s in self._sessions if not s.retired]
 
-    def close(self, path: str) -> None:
-        """Release the pool and threads. Waits for saves that are flushing; a snapshot no save
-        is writing (staged but never saved) is dropped."""
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse new work, wait for every session to retire, then give back pool and threads.
+
+        Sessions staged by ``dcp.async_save`` are waited for (their save thread is about to
+        claim them); one staged by a direct ``stage()`` call, which no save will claim, is
+        dropped at once. After ``timeout`` seconds (if given) the sessions still open are
+        dropped: their saves fail with :class:`SnapshotAbortedError` and never read live
+        tensors.
+        """
+        with self._changed:
+            self.closed = True
+            stray = self._unclaimed
+            if stray is not None and not stray.expect_claim:
+                self._unclaimed = None
+            else:
+                stray = None
+        if stray is not None:
+            self._abort(stray.session, self._dropped_error())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.reap_abandoned()
+            with self._changed:
+                busy = self._busy()
+                left = None if deadline is None else deadline - time.monotonic()
+                if not busy or (left is not None and left <= 0):
+                    break
+                self._changed.wait(timeout=0.5 if left is None else min(0.5, left))
+        if busy:
+            with self._changed:
+                self._unclaimed = None
+            for s in busy:
+                self._abort(s, self._dropped_error())
         if self._planner is not None:
-            self._planner.shutdown(wait=True)  # sessions being planned now exist, or failed
-            self._planner = None
-        if self._resources is None:
-            return
-        self._resources.wait_for_flushes()
-        self.drop_unwritten(
-            SnapshotAbortedError(
-                f"the DataStatesWriter for {path} was closed before this snapshot was "
-                "written; save again with an open writer"
-            )
+            self._planner.shutdown(wait=True)  # a session dropped while planned stays empty
+        res, self._resources = self._resources, None
+        if res is not None:
+            res.close()
+
+    def _dropped_error(self) -> SnapshotAbortedError:
+        return SnapshotAbortedError(
+            f"the DataStatesWriter for {self.name} was closed before this snapshot was "
+            "written; save again with an open writer"
         )
-        self._resources.close()
-        self._resources = None
 
-
-def _abort_when_built(built: Future[SnapshotSession], error: BaseException) -> None:
-    def abort(f: Future[SnapshotSession]) -> None:
-        if f.exception() is None:
-            f.result().abort(error)
-
-    built.add_done_callback(abort)
+    def abandon(self) -> None:
+        """The writer was garbage collected without ``close()``: drop what is left and let the
+        threads and the pool go, without blocking (this runs inside the garbage collector)."""
+        with self._changed:
+            self.closed = True
+            self._unclaimed = None
+            busy = self._busy()
+            res, self._resources = self._resources, None
+            if self._planner is not None:
+                self._planner.shutdown(wait=False)
+        error = SnapshotAbortedError(
+            f"the DataStatesWriter for {self.name} was garbage collected before this snapshot "
+            "was written"
+        )
+        for s in busy:
+            self._abort(s, error)
+        if res is not None:
+            res.abandon()

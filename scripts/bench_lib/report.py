@@ -206,6 +206,36 @@ def scaling_table(f: _Figures) -> str | None:
     return title + "\n\n" + _table(header, rows)
 
 
+def forward_table(f: _Figures) -> str | None:
+    recs = f.rec.select("forward")
+    if not recs:
+        return None
+    first = recs[0]
+    rows = []
+    for r in recs:
+        fig = r["figures"]
+        rows.append(
+            [
+                r["system"],
+                f"{r['committed']}/{r['saves']}",
+                f"{r['correct']}/{r['committed']}",
+                f"{fig['blocked_s'] * 1e3:.2f}",
+                f"{fig['first_forward_s'] * 1e3:.2f}",
+                f"{fig['plain_forward_s'] * 1e3:.2f}",
+                f"{r['eager_bytes'] / 1024:.1f}",
+                f"{r['forward_frozen_bytes'] / 1024:.1f}",
+                f"{r['forward_gate_s'] * 1e3:.3f}",
+            ]
+        )
+    title = (
+        f"### Forward-updated buffers (BatchNorm x {first['blocks']}, width {first['width']}, "
+        f"EMA hook; {first['bytes'] / GB:.3f} GB model state)"
+    )
+    header = ["system", "committed", "equal to call", "blocked ms", "first forward ms"]
+    header += ["plain forward ms", "stage() copied KiB", "gate copied KiB", "gate ms"]
+    return title + "\n\n" + _table(header, rows)
+
+
 def ranks_table(f: _Figures) -> str | None:
     names = f.systems("ranks")
     if not names:
@@ -366,6 +396,7 @@ def summary(rec: Recorder) -> str:
         save_table(f),
         load_table(f),
         train_table(f),
+        forward_table(f),
         scaling_table(f),
         ranks_table(f),
         targets_table(f),

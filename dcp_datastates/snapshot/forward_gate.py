@@ -1,0 +1,155 @@
+"""The forward gate: the first module forward after a save copies the buffers it may update.
+
+Forward updates module buffers in place (BatchNorm's running statistics and batch counter, EMA
+buffers kept by a forward hook, step counters), and unlike parameters it does so before the next
+``optimizer.step()``, which the optimizer guard holds back. While a snapshot is in flight, a
+global module forward pre-hook runs once per module tree: on the first forward of a module it
+walks that module's buffers (its submodules' included) and, for each buffer whose snapshot has not
+been fully copied yet, takes a private copy of it right there (``TensorProvider.freeze``: a
+``clone()`` on the buffer's own device, before forward can write it). The snapshot then copies
+those bytes from the private copy; the live buffer is free to change.
+
+Cost: one walk of the module tree per save, a clone of the buffers not yet copied (BatchNorm
+statistics are tiny), and while a snapshot is in flight the hook call on every module forward.
+The hook removes itself at the first forward after every snapshot has completed, so modules run
+on PyTorch's hook-free fast path the rest of the time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from ..providers.tensor import storage_key
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+#: Storage base address -> (session, provider) pairs of snapshots still in flight.
+_by_storage: dict[int, list[tuple[Any, Any]]] = {}
+#: Session -> its storage keys, to forget them once the session's snapshot is complete.
+_keys: dict[Any, list[int]] = {}
+#: Modules whose tree was walked since the last session was protected.
+_visited: set[int] = set()
+_handle: Any = None
+#: Sessions ``stage()`` recorded whose planning (and so :func:`protect`) has not run yet: a
+#: module forward waits for them, so that it never updates a buffer protect() would freeze.
+_planning: set[Any] = set()
+_released = threading.Condition(_lock)
+
+
+def hold(session: Any) -> None:
+    """Until :func:`release`, module forwards wait (for the planning thread to plan and protect
+    ``session``). Call on the training thread, in ``stage()``: it installs the hook there."""
+    global _handle
+    with _lock:
+        _planning.add(session)
+        if _handle is None:
+            _handle = register_module_forward_pre_hook(_pre_forward)
+
+
+def release(session: Any) -> None:
+    """``session`` is planned and protected (or will never be): forwards go on."""
+    with _released:
+        _planning.discard(session)
+        _released.notify_all()
+
+
+def protect(session: Any) -> None:
+    """Freeze ``session``'s tensors that a forward is about to update, until it is staged.
+
+    Call on the training thread (it installs the hook there, where forward runs)."""
+    global _handle
+    entries: list[tuple[int, Any]] = []
+    for provider in session.raw_providers():
+        if getattr(provider, "freeze", None) is None:
+            continue
+        key = provider.storage_key
+        if key:
+            entries.append((key, provider))
+    if not entries:
+        return
+    with _lock:
+        for key, provider in entries:
+            _by_storage.setdefault(key, []).append((session, provider))
+        _keys[session] = [key for key, _ in entries]
+        _visited.clear()
+        if _handle is None:
+            _handle = register_module_forward_pre_hook(_pre_forward)
+    session.staged.add_done_callback(lambda _f, s=session: _forget(s))
+
+
+def _forget(session: Any) -> None:
+    with _lock:
+        for key in _keys.pop(session, ()):
+            entries = [e for e in _by_storage.get(key, ()) if e[0] is not session]
+            if entries:
+                _by_storage[key] = entries
+            else:
+                _by_storage.pop(key, None)
+
+
+def _pre_forward(module: torch.nn.Module, args: Any) -> None:
+    global _handle
+    if _planning:
+        start = time.perf_counter()
+        with _released:
+            _released.wait_for(lambda: not _planning)
+        logger.debug("forward waited %.3fs for snapshot planning", time.perf_counter() - start)
+    if not _by_storage:
+        # Nothing in flight: leave the hook-free fast path to every later forward. Removing the
+        # hook here, on the thread that runs forward, never races with its own hook loop.
+        with _lock:
+            if not _by_storage and not _planning and _handle is not None:
+                _handle.remove()
+                _handle = None
+        return
+    if id(module) in _visited:
+        return
+    _freeze_tree(module)
+
+
+def _buffers(module: torch.nn.Module) -> Iterable[torch.Tensor]:
+    for buf in module.buffers():
+        if buf is None:
+            continue
+        local = getattr(buf, "to_local", None)  # a DTensor buffer: its local shard
+        yield local() if callable(local) and type(buf) is not torch.Tensor else buf
+
+
+def _freeze_tree(module: torch.nn.Module) -> None:
+    start = time.perf_counter()
+    with _lock:
+        for sub in module.modules():
+            _visited.add(id(sub))
+        index = dict(_by_storage)
+    if not index:
+        return
+    frozen: dict[Any, int] = {}
+    for buf in _buffers(module):
+        if buf.numel() == 0:
+            continue
+        for session, provider in index.get(storage_key(buf), ()):
+            frozen[session] = frozen.get(session, 0) + provider.freeze()
+    elapsed = time.perf_counter() - start
+    for session, nbytes in frozen.items():
+        session.forward_frozen_bytes += nbytes
+        session.forward_blocked_s += elapsed
+    if frozen:
+        logger.debug(
+            "forward of %s: froze %d bytes of buffers in %.6fs",
+            type(module).__name__,
+            sum(frozen.values()),
+            elapsed,
+        )
+
+
+def installed() -> bool:
+    """Whether the forward pre-hook is currently installed (for tests)."""
+    return _handle is not None

@@ -1,0 +1,371 @@
+"""The writer's life: misuse refused at the call, writers dropped without ``close()``, ``close()``
+during a save, options checked at construction, automatic pool size, and per-save bookkeeping."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import (
+    EVENT_TIMEOUT_S,
+    GatedTensorProvider,
+    MiB,
+    assert_same_state,
+    failure_of,
+    load_like,
+    pool_drains,
+)
+from torch.distributed.checkpoint import FileSystemWriter
+
+from dcp_datastates import (
+    CheckpointSaveError,
+    DataStatesWriter,
+    SnapshotMutationError,
+    WriterClosedError,
+    WriterOptions,
+    WriterUsageError,
+    async_save,
+)
+from dcp_datastates.errors import SnapshotAbortedError
+from dcp_datastates.format import METADATA_NAME
+from dcp_datastates.snapshot import guard, runtime
+from dcp_datastates.snapshot.pool import live_pools
+
+SMALL_POOL = {"host_pool_bytes": MiB, "chunk_bytes": 64 * 1024, "coalesce_bytes": 16 * 1024}
+
+
+def wait_for(predicate, what: str, timeout: float = EVENT_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def our_threads() -> list[str]:
+    return sorted(
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith(("datastates-", "AsyncCheckpointExecutor"))
+    )
+
+
+@pytest.fixture
+def gated_tensors(registered_providers):
+    gate = threading.Event()
+    registered_providers(torch.Tensor, lambda fqn, value: GatedTensorProvider(fqn, value, gate))
+    yield gate
+    gate.set()
+
+
+def state(n: int = 4) -> dict:
+    g = torch.Generator().manual_seed(n)
+    return {"w": [torch.randn(256, 256, generator=g) for _ in range(n)], "step": n}
+
+
+# -- item 3: another writer's stager ------------------------------------------------------------
+def test_as_another_writers_stager_the_call_is_refused_saying_what_to_do(tmp_path: Path) -> None:
+    stager = DataStatesWriter(tmp_path / "ours", **SMALL_POOL)
+    with pytest.raises(WriterUsageError) as raised:
+        dcp.async_save(
+            state(),
+            storage_writer=FileSystemWriter(str(tmp_path / "stock")),
+            async_stager=stager,
+            no_dist=True,
+        )
+    message = str(raised.value)
+    assert "storage_writer=FileSystemWriter" in message
+    assert "no async_stager" in message and "dcp_datastates.async_save" in message
+    assert stager._runtime.pool is None  # nothing was staged, nothing is held
+    assert guard.pending_snapshots() == 0
+    stager.close()
+
+
+def test_as_a_stager_with_no_storage_writer_the_call_is_refused(tmp_path: Path) -> None:
+    stager = DataStatesWriter(tmp_path / "ours")
+    with pytest.raises(WriterUsageError, match="storage_writer=none"):
+        dcp.async_save(
+            state(), checkpoint_id=str(tmp_path / "x"), async_stager=stager, no_dist=True
+        )
+    stager.close()
+
+
+def test_as_both_stager_and_writer_it_saves(tmp_path: Path) -> None:
+    writer = DataStatesWriter(tmp_path)
+    sd = state()
+    dcp.async_save(sd, storage_writer=writer, async_stager=writer, no_dist=True).result(
+        timeout=EVENT_TIMEOUT_S
+    )
+    writer.close()
+    assert_same_state(sd, load_like(tmp_path, sd, "stock"))
+
+
+# -- item 4: writers dropped without close() --------------------------------------------------
+@pytest.mark.parametrize("how", ["dcp.async_save", "dcp.save"])
+def test_writers_used_once_and_dropped_give_back_threads_and_pools(
+    tmp_path: Path, how: str
+) -> None:
+    sd = state()
+    gc.collect()
+    wait_for(lambda: not our_threads(), "earlier tests' threads to end")
+    pools = len(live_pools())
+    for i in range(3):
+        writer = DataStatesWriter(tmp_path / f"c{i}", **SMALL_POOL)
+        if how == "dcp.save":
+            dcp.save(sd, storage_writer=writer, no_dist=True)
+        else:
+            dcp.async_save(sd, storage_writer=writer, no_dist=True).result(timeout=EVENT_TIMEOUT_S)
+        assert len(live_pools()) >= pools + 1 or i > 0
+    del writer
+
+    def back_to_baseline() -> bool:
+        gc.collect()
+        return not our_threads() and len(live_pools()) == pools
+
+    wait_for(back_to_baseline, f"threads {our_threads()} and pools to be given back")
+    for i in range(3):
+        assert_same_state(sd, load_like(tmp_path / f"c{i}", sd, "stock"))
+
+
+@pytest.mark.parametrize("how", ["async_save", "dcp.save"])
+def test_a_finished_save_holds_no_reference_to_the_saved_tensors(
+    tmp_path: Path, make_writer, how: str
+) -> None:
+    writer = make_writer(tmp_path, **SMALL_POOL)
+    tensor = torch.randn(300, 300)
+    small = torch.randn(4)  # copied eagerly during stage()
+    ref, small_ref = weakref.ref(tensor), weakref.ref(small)
+    sd = {"t": tensor, "s": small}
+    if how == "dcp.save":
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+    else:
+        async_save(sd, writer, no_dist=True).upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    del sd, tensor, small
+    gc.collect()
+    assert ref() is None and small_ref() is None
+    assert writer._runtime.pool is not None  # the writer itself lives on, pool included
+
+
+# -- item 5: close() during a save ---------------------------------------------------------------
+def test_close_during_a_save_waits_for_it_and_the_checkpoint_holds_the_call_state(
+    tmp_path: Path, gated_tensors
+) -> None:
+    weight = torch.nn.Parameter(torch.randn(256, 256))
+    weight.grad = torch.ones_like(weight)
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    sd = {"w": weight, "other": torch.randn(512, 512)}
+    expected = {"w": weight.detach().clone(), "other": sd["other"].clone()}
+    writer = DataStatesWriter(tmp_path, **SMALL_POOL)
+
+    response = async_save(sd, writer, no_dist=True)
+    closed = threading.Event()
+    closer = threading.Thread(target=lambda: (writer.close(), closed.set()))
+    closer.start()
+    time.sleep(0.2)
+    assert not closed.is_set(), "close() returned while the save was still in flight"
+    with pytest.raises(WriterClosedError):
+        async_save(sd, writer, no_dist=True)  # refused at once, even while closing
+    gated_tensors.set()
+    optimizer.step()  # waits for the snapshot, then changes the weight
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    closer.join(EVENT_TIMEOUT_S)
+    assert closed.is_set()
+    assert_same_state(expected, load_like(tmp_path, expected, "stock"))
+    assert writer._runtime.pool is None
+
+
+def test_close_with_a_timeout_fails_a_stuck_save_cleanly(tmp_path: Path, gated_tensors) -> None:
+    sd = state()
+    writer = DataStatesWriter(tmp_path, guard_optimizer_step=False, **SMALL_POOL)
+    response = async_save(sd, writer, no_dist=True)
+    threading.Timer(1.0, gated_tensors.set).start()  # the copy in flight ends after 1 s
+    start = time.monotonic()
+    writer.close(timeout=0.3)
+    assert time.monotonic() - start < 10
+    sd["w"][0].add_(1.0)  # changed after close: must never reach a checkpoint
+    with pytest.raises(CheckpointSaveError) as raised:
+        response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert failure_of(raised.value, SnapshotAbortedError) is not None, raised.value
+    assert "closed" in str(raised.value)
+    assert not (tmp_path / METADATA_NAME).exists()
+
+
+@pytest.mark.parametrize("how", ["stage", "async_save", "dcp.async_save", "dcp.save"])
+def test_a_closed_writer_refuses_new_work_with_a_clear_error(tmp_path: Path, how: str) -> None:
+    writer = DataStatesWriter(tmp_path)
+    writer.close()
+    writer.close()  # twice is fine
+    assert writer.closed
+    with pytest.raises(BaseException) as raised:
+        if how == "stage":
+            writer.stage(state())
+        elif how == "async_save":
+            async_save(state(), writer, no_dist=True)
+        elif how == "dcp.async_save":
+            dcp.async_save(state(), storage_writer=writer, no_dist=True).result()
+        else:
+            dcp.save(state(), storage_writer=writer, no_dist=True)
+    closed = failure_of(raised.value, WriterClosedError)
+    assert closed is not None, raised.value
+    assert "is closed; make a new writer" in str(closed)
+    assert writer._runtime.pool is None
+
+
+# -- item 6: automatic pool size ---------------------------------------------------------------
+def test_the_automatic_pool_is_this_ranks_share_of_the_node(
+    tmp_path: Path, make_writer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runtime, "physical_memory", lambda: 256 * MiB)  # 64 MiB at 0.25
+    monkeypatch.setattr(runtime, "MIN_AUTO_POOL", MiB)
+    sd = {"w": torch.randn(6 * MiB)}  # 24 MiB
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = make_writer(tmp_path / "a")
+    dcp.save(sd, storage_writer=alone, no_dist=True)
+    assert alone.last_stats.pool_bytes == 24 * MiB  # the state, under the cap
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    shared = make_writer(tmp_path / "b")
+    dcp.save(sd, storage_writer=shared, no_dist=True)
+    assert shared.last_stats.pool_bytes == 8 * MiB  # 64 MiB / 8 ranks
+    assert_same_state(sd, load_like(tmp_path / "b", sd, "datastates"))
+
+
+def test_the_automatic_pool_counts_what_this_rank_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcp_datastates._dcp_private import AsyncSaveCall
+    from dcp_datastates.planner import plan_providers
+    from dcp_datastates.writer import _expected_write_bytes
+
+    items = plan_providers({"replicated": torch.zeros(MiB), "obj": {"a": 1}})
+    call = AsyncSaveCall(found=True)
+    assert _expected_write_bytes(items, call) == 4 * MiB
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
+    assert _expected_write_bytes(items, call) == MiB  # DCP spreads replicated items over ranks
+    assert _expected_write_bytes(items, AsyncSaveCall(found=True, no_dist=True)) == 4 * MiB
+
+
+# -- item 7: options ----------------------------------------------------------------------------
+BAD_OPTIONS = [
+    ("host_pool_bytes", 64e6, "is a float; it must be an int; write host_pool_bytes=int("),
+    ("host_pool_bytes", True, "is a bool"),
+    ("host_pool_bytes", 1000, "must be at least"),
+    ("chunk_bytes", 1.5e6, "is a float"),
+    ("chunk_bytes", 100, "must be at least 4096"),
+    ("coalesce_bytes", "1MiB", "is a str"),
+    ("coalesce_bytes", 64 * MiB, "must not exceed chunk_bytes"),
+    ("copy_workers", 0, "between 1 and 64"),
+    ("copy_workers", 2.0, "is a float"),
+    ("flush_workers", 65, "between 1 and 64"),
+    ("flush_workers", None, "is a NoneType"),
+    ("max_pool_fraction", 0.0, "in (0, 0.9]"),
+    ("max_pool_fraction", 1.5, "in (0, 0.9]"),
+    ("max_pool_fraction", "0.5", "in (0, 0.9]"),
+    ("max_pool_fraction", True, "in (0, 0.9]"),
+    ("eager_copy_bytes", -1, "between 0 and"),
+    ("eager_copy_bytes", 4096.0, "is a float"),
+    ("guard_optimizer_step", 1, "must be True or False"),
+    ("guard_forward", "yes", "must be True or False"),
+    ("sync_files", None, "must be True or False"),
+    ("overwrite", 0, "must be True or False"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "message"), BAD_OPTIONS)
+def test_every_bad_option_fails_at_construction_naming_it(
+    tmp_path: Path, name: str, value: object, message: str
+) -> None:
+    with pytest.raises(ValueError) as raised:
+        DataStatesWriter(tmp_path, **{name: value})
+    assert f"{name}=" in str(raised.value) and message in str(raised.value)
+
+
+def test_every_option_is_covered_by_the_bad_option_table() -> None:
+    assert {name for name, _, _ in BAD_OPTIONS} == set(WriterOptions.names())
+
+
+def test_an_unknown_option_lists_the_real_ones(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="unknown option.*host_pol_bytes.*host_pool_bytes"):
+        DataStatesWriter(tmp_path, host_pol_bytes=MiB)
+
+
+def test_good_options_are_accepted(tmp_path: Path) -> None:
+    writer = DataStatesWriter(
+        tmp_path,
+        host_pool_bytes=64 * MiB,
+        max_pool_fraction=0.5,
+        eager_copy_bytes=0,
+        guard_forward=False,
+    )
+    assert writer.options.host_pool_bytes == 64 * MiB
+    writer.close()
+
+
+# -- item 10: bookkeeping ---------------------------------------------------------------------
+def test_a_failed_save_keeps_its_own_record_and_last_stats_the_last_good_one(
+    tmp_path: Path, make_writer, gated_tensors
+) -> None:
+    writer = make_writer(tmp_path / "unused", guard_optimizer_step=False, **SMALL_POOL)
+    sd = state()
+    gated_tensors.set()
+    async_save(
+        sd, writer, checkpoint_id=str(tmp_path / "good"), no_dist=True
+    ).upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    good = writer.last_stats
+    figures = (good.blocked_s, good.durable_s, good.bytes_written)
+    assert good.ok
+
+    gated_tensors.clear()
+    failed = async_save(sd, writer, checkpoint_id=str(tmp_path / "bad"), no_dist=True)
+    sd["w"][0].add_(1.0)  # torn: the save fails
+    gated_tensors.set()
+    with pytest.raises(CheckpointSaveError):
+        failed.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+
+    assert writer.last_stats is good
+    assert (good.blocked_s, good.durable_s, good.bytes_written) == figures
+    bad = writer.last_failed_stats
+    assert bad is not None and bad is not good and not bad.ok
+    assert "SnapshotMutationError" in bad.error and "failed" in bad.summary()
+    assert bad.blocked_s > 0
+    assert pool_drains(writer)
+
+
+def test_optimizer_wait_counts_only_this_writers_snapshots(
+    tmp_path: Path, make_writer, registered_providers
+) -> None:
+    """Two writers; only the second one's snapshot holds the step back."""
+    gate = threading.Event()
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+    weight.grad = torch.ones_like(weight)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    quick = make_writer(tmp_path / "quick")
+    async_save({"x": torch.randn(64)}, quick, no_dist=True).upload_completion.result(
+        timeout=EVENT_TIMEOUT_S
+    )
+    registered_providers(
+        torch.nn.Parameter, lambda fqn, value: GatedTensorProvider(fqn, value, gate)
+    )
+    slow = make_writer(tmp_path / "slow")
+    response = async_save({"w": weight}, slow, no_dist=True)
+    threading.Timer(0.2, gate.set).start()
+    optimizer.step()  # waits about 0.2 s, for the slow writer's snapshot only
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert slow.last_stats.optimizer_wait_s >= 0.1
+    assert quick.last_stats.optimizer_wait_s == 0.0
+
+
+def test_a_mutation_error_still_names_the_tensor(tmp_path: Path, make_writer, gated_tensors):
+    writer = make_writer(tmp_path, guard_optimizer_step=False, **SMALL_POOL)
+    sd = state()
+    response = async_save(sd, writer, no_dist=True)
+    sd["w"][1].mul_(2)
+    gated_tensors.set()
+    with pytest.raises(CheckpointSaveError) as raised:
+        response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert failure_of(raised.value, SnapshotMutationError).fqn == "w.1"
