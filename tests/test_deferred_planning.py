@@ -170,3 +170,30 @@ def test_capture_copies_small_tensors_eagerly_when_asked() -> None:
     assert captured.state["b"] is big and captured.state["s"] is not small
     small.add_(1.0)
     assert torch.equal(captured.state["s"], torch.ones(4))
+
+
+def test_a_forward_waits_for_planning_so_its_buffers_are_frozen(
+    tmp_path: Path, gated: Any
+) -> None:
+    """BatchNorm's running statistics (8 KiB each here: above eager_copy_bytes) change in
+    forward, before any optimizer step: the forward gate must cover them even though the
+    session is planned after stage() returned."""
+    writer = gated()
+    model = torch.nn.BatchNorm1d(2048).train()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    response = async_save({"model": model.state_dict()}, writer, no_dist=True)
+
+    done = threading.Event()
+    forward = threading.Thread(target=lambda: (model(torch.randn(4, 2048)), done.set()))
+    forward.start()
+    assert not done.wait(0.2)  # held until the planning thread has protected the buffers
+    writer.gate.set()
+    forward.join(EVENT_TIMEOUT_S)
+    assert done.is_set()
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+
+    assert not torch.equal(model.running_mean, before["running_mean"])  # forward did update
+    target = {"model": {k: torch.zeros_like(v) for k, v in before.items()}}
+    loaded = load_like(tmp_path / "ckpt", target, "datastates")
+    for key, value in before.items():
+        assert torch.equal(loaded["model"][key], value), key
