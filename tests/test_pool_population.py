@@ -83,3 +83,13 @@ def test_warm_up_sizes_and_populates_the_pool_the_first_save_then_uses(
     assert writer._runtime.pool is pool  # the save reused it
     loaded = load_like(tmp_path / "ckpt", state, "datastates")
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
+
+
+def test_copy_workers_default_to_this_ranks_share_of_the_cores(monkeypatch: Any) -> None:
+    from dcp_datastates import WriterOptions
+
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert WriterOptions().effective_copy_workers() == 4  # capped: memory bandwidth
+    assert WriterOptions().effective_copy_workers(local_ranks=8) == 2
+    assert WriterOptions().effective_copy_workers(local_ranks=32) == 1
+    assert WriterOptions(copy_workers=7).effective_copy_workers(local_ranks=8) == 7

@@ -87,7 +87,9 @@ class _Resources:
         self.chunk_bytes = options.effective_chunk_bytes(self.pool.capacity)
         self.coalesce_bytes = min(options.coalesce_bytes, self.chunk_bytes)
         self.scheduler = SnapshotScheduler(
-            self.pool, copy_workers=options.copy_workers, on_stall=on_stall
+            self.pool,
+            copy_workers=options.effective_copy_workers(local_world_size()),
+            on_stall=on_stall,
         )
         self.flushes: set[Future[Any]] = set()  # running flushes, which close() waits for
 
