@@ -89,7 +89,13 @@ class WriterOptions:
             or not 0.0 < fraction <= 0.9
         ):
             raise ValueError(f"max_pool_fraction={fraction!r} must be a number in (0, 0.9]")
-        for name in ("guard_optimizer_step", "guard_forward", "sync_files", "overwrite"):
+        for name in (
+            "guard_optimizer_step",
+            "guard_forward",
+            "guard_on_device",
+            "sync_files",
+            "overwrite",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be True or False")

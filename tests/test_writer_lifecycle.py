@@ -271,6 +271,7 @@ BAD_OPTIONS = [
     ("eager_copy_bytes", 4096.0, "is a float"),
     ("guard_optimizer_step", 1, "must be True or False"),
     ("guard_forward", "yes", "must be True or False"),
+    ("guard_on_device", 1, "must be True or False"),
     ("sync_files", None, "must be True or False"),
     ("overwrite", 0, "must be True or False"),
 ]
