@@ -66,6 +66,7 @@ FULL: dict[str, Any] = {
     "scale_counts": "100,1000,5000,20000",
     "scale_count_gb": 0.1,
     "ranks_gb": 1.0,
+    "ranks_worlds": "2,4",
 }
 QUICK: dict[str, Any] = {
     **FULL,
@@ -92,6 +93,7 @@ QUICK: dict[str, Any] = {
     "scale_counts": "10,100",
     "scale_count_gb": 0.004,
     "ranks_gb": 0.01,
+    "ranks_worlds": "2",
 }
 
 
@@ -153,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--scale-sizes", help="GB, comma-separated")
     g.add_argument("--scale-counts", help="tensor counts, comma-separated")
     g.add_argument("--scale-count-gb", type=float, help="state size of the tensor-count sweep")
-    g.add_argument("--ranks-gb", type=float, help="state size of the two-rank save, both ranks")
+    g.add_argument("--ranks-gb", type=float, help="state size of the ranks save, all ranks")
+    g.add_argument("--ranks-worlds", help="comma-separated rank counts of the ranks scenario")
     return p
 
 
@@ -249,6 +252,7 @@ def _run(args: argparse.Namespace) -> int:
                     tensors=args.tensors,
                     rounds=args.rounds,
                     timeout=120 if args.quick else 600,
+                    worlds=tuple(int(x) for x in args.ranks_worlds.split(",")),
                 )
             elapsed[scenario] = time.monotonic() - t0
             log(f"{scenario}: {elapsed[scenario]:.1f} s")
