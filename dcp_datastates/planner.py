@@ -38,8 +38,12 @@ class DataStatesSavePlanner(DefaultSavePlanner):
                 value = self.resolve_data(item)  # the local tensor or shard
         provider = provider_for(item, value)
         if self.versions is not None and isinstance(provider, TensorProvider):
-            # The snapshot must match the tensor as stage() saw it, not as it is now.
-            provider.staged_version(self.versions[id(value)], value)
+            # The snapshot must match the tensor as stage() saw it, not as it is now. A shard's
+            # version was recorded for its DTensor (the state dict's value at this fqn).
+            recorded = self.versions.get(id(value))
+            if recorded is None:
+                recorded = self.versions[id(self.state_dict[item.index.fqn])]
+            provider.staged_version(recorded, value)
         return provider
 
     def _plain_tensor(self, item: WriteItem) -> torch.Tensor | None:

@@ -12,11 +12,12 @@ has to run while the caller waits, provided the caller's thread records what the
   may update in place before the optimizer step that the guard holds back.
 
 The walk costs about a microsecond per tensor. It declines (returns ``None``: the caller plans as
-before) for what it cannot record this way: a tensor that is not a plain CPU tensor (a device
-tensor needs the device gate recorded on the caller's streams; DTensors and other subclasses are
-resolved by DCP), an object that is not an immutable scalar (it is serialized on the caller, as
-before), a key other than a string or an int (``check_state_dict`` refuses it on the caller's
-path), or any provider the user registered (it may claim any type).
+before) for what it cannot record this way: a tensor that is not a plain CPU tensor or a DTensor
+with a CPU local tensor (a device tensor needs the device gate recorded on the caller's streams;
+other subclasses are resolved by DCP), an object that is not an immutable scalar (it is
+serialized on the caller, as before), a key other than a string or an int
+(``check_state_dict`` refuses it on the caller's path), or any provider the user registered
+(it may claim any type).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..providers import _REGISTRY
 
@@ -61,8 +63,10 @@ class Capture:
 
 
 def _tensor_bytes(value: Any) -> int:
+    if type(value) is DTensor:
+        return value._local_tensor.nbytes
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return value.nbytes
     if isinstance(value, dict):
         return sum(_tensor_bytes(v) for v in value.values())
     if isinstance(value, list):
@@ -111,20 +115,33 @@ class _Walker:
                         self.eager += nbytes
                 versions[id(item)] = item._version
                 out[key] = item
+            elif type(item) is DTensor:
+                out[key] = self.dtensor(item)
             else:
                 out[key] = self.any(item)
         return out
+
+    def dtensor(self, item: DTensor) -> DTensor:
+        """A DTensor stays one (DCP plans its shard from its spec); its local tensor's version
+        is what the snapshot checks, and a small one is copied now as for plain tensors."""
+        local = item._local_tensor
+        if type(local) not in _PLAIN or not local.is_cpu:
+            raise _Decline
+        if self.eager_limit and 0 < local.nbytes <= self.eager_limit:
+            # The constructor, as process_staging does: same spec, a private local copy.
+            self.eager += local.nbytes
+            item = DTensor(local.clone(), item._spec, requires_grad=False)
+            local = item._local_tensor
+        self.versions[id(item)] = local._version
+        return item
 
     def any(self, value: Any) -> Any:
         if isinstance(value, Mapping):
             return self.mapping(value)
         if type(value) is list:
-            return [self.leaf(v) if type(v) in _PLAIN else self.any(v) for v in value]
+            return [self.mapping({0: v})[0] for v in value]
         if type(value) in _SCALARS:
             return value
         if type(value) is tuple and all(type(v) in _SCALARS for v in value):
             return value
         raise _Decline  # tensor subclasses, objects: the caller's path handles them
-
-    def leaf(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.mapping({0: tensor})[0]
