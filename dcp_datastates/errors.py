@@ -61,9 +61,10 @@ class SnapshotMutationError(DataStatesError):
         )
         super().__init__(
             f"rank {rank}: tensor {fqn!r} was modified in place while its snapshot was in flight "
-            f"({how}); the checkpoint was not committed. Keep guard_optimizer_step=True, change "
-            "tensors through ordinary in-place ops or the optimizer, or wait for "
-            "staging_completion before changing the state."
+            f"({how}); the checkpoint was not committed. Keep guard_optimizer_step and "
+            "guard_forward on, change tensors through ordinary in-place ops; state that changes "
+            "before optimizer.step() outside a forward belongs in a module's buffers (or wait "
+            "for staging_completion before changing it)."
         )
         self.fqn = fqn
         self.rank = rank

@@ -6,6 +6,11 @@ returns a future at once and a background thread copies every tensor into *one* 
 segment per save (not one per tensor: thousands of segments exhaust file descriptors); the
 optimizer guard makes the next step wait for it. DCP waits for the future before sending the
 copy, and the daemon's writer streams it to storage.
+
+Each tensor is read through a ``TensorProvider``, as in the THREAD executor, so the same
+protections hold: small tensors are copied during ``stage()`` (``eager_copy_bytes``), the forward
+gate copies module buffers before forward updates them (``guard_forward``), and the version
+counter and sampled bytes catch any other change.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .errors import InvalidStateDictError, SnapshotMutationError
+from .errors import InvalidStateDictError
 from .planner import check_state_dict
-from .providers.tensor import probe, probes_differ
+from .providers.tensor import TensorProvider
+from .snapshot import forward_gate as _forward_gate
 from .snapshot import guard as _guard
 
 logger = logging.getLogger(__name__)
@@ -62,10 +68,28 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def stage_for_process(state_dict: dict[str, Any], *, guard: bool) -> ProcessStaging:
+class _Protected:
+    """What the forward gate needs of a staging: its tensors, its future, its figures."""
+
+    def __init__(self, providers: list[TensorProvider], staged: Future[None]) -> None:
+        self.providers = providers
+        self.staged = staged
+        self.forward_frozen_bytes = 0
+        self.forward_blocked_s = 0.0
+
+    def raw_providers(self) -> list[TensorProvider]:
+        return [p for p in self.providers if p.nbytes > 0]
+
+
+def stage_for_process(
+    state_dict: dict[str, Any],
+    *,
+    guard: bool,
+    guard_forward: bool = True,
+    eager_copy_bytes: int = 0,
+) -> ProcessStaging:
     check_state_dict(state_dict)
-    # (fqn, live tensor, version, bytes sampled now: see providers.tensor.probe)
-    sources: list[tuple[str, torch.Tensor, int, list[tuple[int, bytes]]]] = []
+    sources: list[TensorProvider] = []  # each live tensor, read through a provider
     offsets: list[int] = []
     total = 0
 
@@ -84,7 +108,7 @@ def stage_for_process(state_dict: dict[str, Any], *, guard: bool) -> ProcessStag
             t = value.detach()
             total += (-total) % 64
             start = total
-            sources.append((fqn, t, t._version, probe(t, _nbytes(t))))
+            sources.append(TensorProvider(fqn, t))
             offsets.append(start)
             total += _nbytes(t)
             return lambda buf: buf[start : start + _nbytes(t)].view(t.dtype).view(t.shape)
@@ -101,30 +125,31 @@ def stage_for_process(state_dict: dict[str, Any], *, guard: bool) -> ProcessStag
     build: Callable[[torch.Tensor], Any] = plan(state_dict, "")
     result: Future[Any] = Future()
     staged: Future[None] = Future()
+    for provider in sources:
+        provider.note_part()  # one copy each, into its place in the segment
+        if 0 < provider.nbytes <= eager_copy_bytes:
+            provider.freeze()
     if guard:
         _guard.guard(staged)
+    if guard_forward:
+        _forward_gate.protect(_Protected(sources, staged))
 
     def run() -> None:
+        rank = _rank()
         try:
             buf = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()
             staged_dict = build(buf)
-            for (fqn, src, version, probes), start in zip(sources, offsets, strict=True):
-                n = _nbytes(src)
+            for provider, start in zip(sources, offsets, strict=True):
+                n = provider.nbytes
                 if n:
-                    buf[start : start + n].view(src.dtype).view(src.shape).copy_(src)
-                changed = probes_differ(probes, buf.data_ptr() + start, 0, n)
-                if src._version != version or changed:
-                    raise SnapshotMutationError(
-                        fqn=fqn,
-                        rank=_rank(),
-                        before=version,
-                        after=src._version,
-                        unversioned=src._version == version,
-                    )
+                    provider.copy_into(buf[start : start + n], 0, n)
+                provider.check_unchanged(rank)
             result.set_result(staged_dict)
         except BaseException as exc:  # reaches the caller through DCP's upload future
             result.set_exception(exc)
         finally:
+            for provider in sources:
+                provider.release()  # hold no reference to the caller's tensors any more
             staged.set_result(None)
 
     threading.Thread(target=run, name="datastates-process-stage", daemon=True).start()

@@ -176,10 +176,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._init_runtime_state()
         # DCP's checkpoint daemon unpickles a new writer for every request and never closes it:
         # they all share one runtime (pool and threads) per options, so the daemon stays flat.
-        self._finalizer.detach()
+        self._finalizer.detach()  # the shared runtime outlives every writer unpickled here
         self._unpickled = True
         self._runtime = daemon_runtime(
-            self.options, lambda: SnapshotRuntime(self.options, self.path)
+            self.options, lambda: SnapshotRuntime(self.options, "the checkpoint daemon")
         )
 
     def close(self, timeout: float | None = None) -> None:
@@ -190,8 +190,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         staged by calling ``stage()`` directly, which no save will write, is dropped. With
         ``timeout``, saves still open after that many seconds fail with
         :class:`~dcp_datastates.errors.SnapshotAbortedError`. Calling it again is a no-op.
+        A writer unpickled in DCP's checkpoint daemon leaves the daemon's shared runtime open.
         """
-        if not self._unpickled:  # a daemon's shared runtime outlives the writers it unpickles
+        if not self._unpickled:
             self._runtime.close(timeout)
         self._finalizer.detach()
 
@@ -207,7 +208,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         call = self._which_call()
         _refuse_file_target(call.checkpoint_id or self.path)
         if call.mode == "process":
-            staged = stage_for_process(state_dict, guard=self.options.guard_optimizer_step)
+            staged = stage_for_process(
+                state_dict,
+                guard=self.options.guard_optimizer_step,
+                guard_forward=self.options.guard_forward,
+                eager_copy_bytes=self.options.eager_copy_bytes,
+            )
             self._process_staged = staged.staged
             self._local.staged_stats = None
             return staged.result

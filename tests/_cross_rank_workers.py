@@ -57,6 +57,8 @@ def sample_errors() -> dict[str, BaseException]:
             f"rank 1: {CAUSE}", {1: errors.DataStatesError(CAUSE)}
         ),
         "DataStatesError": errors.DataStatesError(f"rank 1: {CAUSE}"),
+        "WriterUsageError": errors.WriterUsageError(f"rank 1: {CAUSE}"),
+        "WriterClosedError": errors.WriterClosedError(f"rank 1: {CAUSE}"),
     }
 
 

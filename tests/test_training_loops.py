@@ -201,3 +201,19 @@ def test_a_counter_changed_right_after_the_call_keeps_its_value_at_the_call(
     loaded = load_like(tmp_path, {"step": torch.tensor(0), "w": state["w"]}, "stock")
     assert int(loaded["step"]) == 41
     assert writer.last_stats.eager_bytes >= step.element_size()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_process_executor_commits_the_call_state_of_a_batchnorm_loop(tmp_path: Path) -> None:
+    """PROCESS executor: staging copies into shared memory in the background; the same forward
+    gate and eager copies protect it (one gloo rank; DCP's daemon does the writing)."""
+    from _dist_workers import check_all_ok, launch
+
+    worker = str(Path(__file__).resolve().parent / "_loop_workers.py")
+    results = launch("process-bn", tmp_path, world_size=1, timeout=90, script=worker)
+    check_all_ok(results)
+    assert results[0].report["modes"] == ["dcp_async", "ours"]
+    for mode in ("dcp_async", "ours"):
+        expected = torch.load(tmp_path / f"{mode}.expected.pt", weights_only=True)
+        assert_same_state(expected, load_like(tmp_path / mode, expected, "stock"))

@@ -90,19 +90,6 @@ class TensorProvider:
         rows = src[r0:r1]
         dst.view(src.dtype).view(rows.shape).copy_(rows)
 
-    def _check_probes(self, dst: torch.Tensor, start: int, stop: int) -> None:
-        """Compare the copied bytes with those sampled at stage time, where this chunk has any:
-        catches writes that do not bump the version counter (``.data``, ``.numpy()``, a
-        ``torch.from_numpy`` view) when they touch a sampled byte."""
-        if probes_differ(self._probes, dst.data_ptr(), start, stop):
-            raise SnapshotMutationError(
-                fqn=self.fqn,
-                rank=_rank(),
-                before=self._version,
-                after=self.source._version,
-                unversioned=self.source._version == self._version,
-            )
-
     def staged_version(self, version: int, live: torch.Tensor) -> None:
         """``live`` (the caller's tensor) had ``version`` at ``stage()``, recorded there when
         this provider is built later, on the planning thread: a write in between fails the
@@ -133,6 +120,21 @@ class TensorProvider:
         if self._contiguous:
             self._check_probes(dst, start, stop)
         self._parts_done += 1
+
+    def _check_probes(self, dst: torch.Tensor, start: int, stop: int) -> None:
+        """Compare the copied bytes with those sampled at stage time, where this chunk has any:
+        catches writes that do not bump the version counter (``.data``, ``.numpy()``, a
+        ``torch.from_numpy`` view) when they touch a sampled byte."""
+        if probes_differ(self._probes, dst.data_ptr(), start, stop):
+            live = self.source
+            now = live._version if live is not None else self._version
+            raise SnapshotMutationError(
+                fqn=self.fqn,
+                rank=_rank(),
+                before=self._version,
+                after=now,
+                unversioned=now == self._version,
+            )
 
     def check_unchanged(self, rank: int) -> None:
         if self._torn is not None:

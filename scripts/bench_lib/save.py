@@ -77,7 +77,12 @@ def worker(keys: list[str], nbytes: int, tensors: int, saves: int, workdir: Path
             "tensors": count,
             "saves": results,
             "base_rss_bytes": base,
-            "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            # Linux updates the high-water mark lazily: it can lag the RSS read a moment ago.
+            "maxrss_bytes": max(
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                base,
+                *(base + r["peak_extra_bytes"] for r in results),
+            ),
         }
         print(RESULT_PREFIX + json.dumps(report), flush=True)
 
