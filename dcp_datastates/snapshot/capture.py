@@ -16,8 +16,8 @@ before) for what it cannot record this way: a tensor that is not a plain CPU ten
 with a CPU local tensor (a device tensor needs the device gate recorded on the caller's streams;
 other subclasses are resolved by DCP), an object that is not an immutable scalar (it is
 serialized on the caller, as before), a key other than a string or an int
-(``check_state_dict`` refuses it on the caller's path), or any provider the user registered
-(it may claim any type).
+(``check_state_dict`` refuses it on the caller's path), any provider the user registered
+(it may claim any type), or a copy device chosen for this thread (``device.use_device``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..providers import _REGISTRY
+from .device import chosen
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SCALARS = (int, float, bool, str, bytes, complex, type(None))
@@ -76,7 +77,7 @@ def _tensor_bytes(value: Any) -> int:
 
 def capture(state_dict: Mapping[str, Any], *, eager_bytes: int = 0) -> Capture | None:
     """Record ``state_dict`` for planning on another thread, or ``None`` where it cannot be."""
-    if _REGISTRY or not isinstance(state_dict, Mapping) or not state_dict:
+    if _REGISTRY or chosen() is not None or not isinstance(state_dict, Mapping) or not state_dict:
         return None  # the caller's path refuses a bad state dict with the full message
     walker = _Walker(eager_bytes)
     collecting = gc.isenabled()
