@@ -14,6 +14,8 @@ Lifecycle of one save (the state names appear in code, logs and docs)::
                                                     snapshot. (A state with device tensors,
                                                     subclasses or objects is planned right here.)
                                                     Copies run on the snapshot threads from here;
+                                                    the next forward copies module buffers first
+                                                    (forward gate);
                                                     optimizer.step() waits for them (the guard).
     PLANNING   DCP save thread        every         reset(id), set_up_storage_writer: claim the
                                                     staged snapshot; prepare_local_plan: mkdir
@@ -24,6 +26,8 @@ Lifecycle of one save (the state names appear in code, logs and docs)::
     SAFE       snapshot threads       every         all pieces copied: staged future resolves
     DURABLE    flush threads          every         every file of this rank fsynced once
     COMMITTED  DCP save thread        coordinator   finish: manifest, then .metadata atomically
+    RETIRED    any                    every         the save is over: pool blocks back, no
+                                                    reference to the caller's tensors kept
 
 A save that fails anywhere reports once, through the future DCP hands back (or ours from
 ``dcp_datastates.async_save``), and releases its pool blocks. Two saves may overlap: their
@@ -234,7 +238,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             session = self._runtime.new_session(
                 items, rank, expected_bytes=_expected_write_bytes(items, call)
             )
-            stats.eager_bytes = session.freeze_small(self.options.eager_copy_bytes)
+            try:
+                stats.eager_bytes = session.freeze_small(self.options.eager_copy_bytes)
+            except BaseException as exc:
+                self._runtime.abort(session, exc)
+                raise
             self._runtime.stage(session, stats, started=start, expect_claim=call.found)
         self._process_staged = None
         self._local.staged_stats = stats
@@ -373,7 +381,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             try:
                 self._check_plan_matches(plan, session, save.rank)
             except InvalidStateDictError as exc:
-                session.abort(exc)  # give its pool blocks back now, not when the thread exits
+                self._runtime.abort(session, exc)  # pool blocks back now, not at thread exit
                 raise
         if save.stats is not None:
             save.stats.flush_started_s = time.monotonic() - save.started

@@ -235,6 +235,15 @@ def test_close_drops_a_session_staged_outside_a_save_and_then_refuses_work() -> 
         rt.stage(session, None, started=0.0, expect_claim=True)
 
 
+def test_a_session_whose_stage_fails_is_dropped_not_left_for_close_to_wait_on() -> None:
+    rt, session = runtime_with({"t": torch.zeros(1000)})
+    rt.closed = True  # close() began between new_session and stage
+    with pytest.raises(WriterClosedError):
+        rt.stage(session, None, started=time.monotonic(), expect_claim=True)
+    assert session.aborted and session.retired
+    rt.close(timeout=5)
+
+
 def test_abandon_lets_the_threads_go_without_waiting() -> None:
     rt, session = runtime_with({"t": torch.zeros(1000)})
     rt.stage(session, None, started=time.monotonic(), expect_claim=True)

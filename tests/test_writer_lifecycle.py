@@ -113,7 +113,7 @@ def test_writers_used_once_and_dropped_give_back_threads_and_pools(
 ) -> None:
     sd = state()
     gc.collect()
-    wait_for(lambda: not our_threads(), "earlier tests' threads to end")
+    wait_for(lambda: gc.collect() >= 0 and not our_threads(), "earlier tests' threads to end")
     pools = len(live_pools())
     for i in range(3):
         writer = DataStatesWriter(tmp_path / f"c{i}", **SMALL_POOL)

@@ -223,7 +223,11 @@ class SnapshotRuntime:
         the writer's per-save record). Waits for an earlier staged session to be claimed first;
         one never claimed within :data:`CLAIM_TIMEOUT_S` is dropped."""
         session.created = started
-        self._leave_for_claim(session, token, expect_claim)
+        try:
+            self._hand_off(session, token, expect_claim)
+        except BaseException as exc:
+            self.abort(session, exc)  # never left behind for close() to wait on
+            raise
         if self.options.guard_optimizer_step:
             # On CUDA the step's stream may wait on the copies instead of the host (a fence).
             fence = session.fence_on_device if self.options.guard_on_device else None
@@ -234,7 +238,7 @@ class SnapshotRuntime:
         self._resources.scheduler.submit(session)
         self.last_staged = session.staged
 
-    def _leave_for_claim(self, session: SnapshotSession, token: Any, expect_claim: bool) -> None:
+    def _hand_off(self, session: SnapshotSession, token: Any, expect_claim: bool) -> None:
         with self._changed:
             self.check_open()
             if self._unclaimed is not None and not self._changed.wait_for(
@@ -245,7 +249,7 @@ class SnapshotRuntime:
                 logger.warning(
                     "rank %d: a staged snapshot was never saved; dropping it", session.rank
                 )
-                self._abort(stale, self._never_claimed_error(stale.rank))
+                self.abort(stale, self._never_claimed_error(stale.rank))
             self.check_open()
             self._unclaimed = _Staged(
                 session, threading.current_thread(), token, expect_claim, time.monotonic()
@@ -276,7 +280,11 @@ class SnapshotRuntime:
             if self._planner is None:
                 self._planner = ThreadPoolExecutor(1, thread_name_prefix="datastates-plan")
             planner = self._planner
-        self._leave_for_claim(session, token, expect_claim)
+        try:
+            self._hand_off(session, token, expect_claim)
+        except BaseException as exc:
+            self.abort(session, exc)  # never left behind for close() to wait on
+            raise
         if self.options.guard_optimizer_step:
             _guard.guard(session.staged, session.add_optimizer_wait, None)
         if self.options.guard_forward:
@@ -349,7 +357,7 @@ class SnapshotRuntime:
             pending, self._unclaimed = self._unclaimed, None
             self._changed.notify_all()
         if pending is not None:
-            self._abort(pending.session, error)
+            self.abort(pending.session, error)
 
     def start_snapshot(self, session: SnapshotSession) -> None:
         """A plain ``dcp.save``: snapshot the live tensors now, on this (the saving) thread's
@@ -395,7 +403,8 @@ class SnapshotRuntime:
         session.retire()
 
     # -- sessions nobody will write ----------------------------------------------------------
-    def _abort(self, session: SnapshotSession, error: BaseException) -> None:
+    def abort(self, session: SnapshotSession, error: BaseException) -> None:
+        """Drop ``session`` (its save failed before writing it): blocks back, session retired."""
         session.abort(error)
         if not session.flush_started:
             session.retire()  # a flush that did start retires it when it resolves
@@ -416,10 +425,10 @@ class SnapshotRuntime:
             logger.warning(
                 "rank %d: a staged snapshot was never saved; dropping it", stale.session.rank
             )
-            self._abort(stale.session, self._never_claimed_error(stale.session.rank))
+            self.abort(stale.session, self._never_claimed_error(stale.session.rank))
         for s in sessions:
             if s.owner is not None and not s.owner.is_alive() and not s.flush_started:
-                self._abort(
+                self.abort(
                     s,
                     SnapshotAbortedError(
                         f"rank {s.rank}: the DCP save thread {s.owner.name!r} exited before "
@@ -449,7 +458,7 @@ class SnapshotRuntime:
             else:
                 stray = None
         if stray is not None:
-            self._abort(stray.session, self._dropped_error())
+            self.abort(stray.session, self._dropped_error())
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.reap_abandoned()
@@ -463,7 +472,7 @@ class SnapshotRuntime:
             with self._changed:
                 self._unclaimed = None
             for s in busy:
-                self._abort(s, self._dropped_error())
+                self.abort(s, self._dropped_error())
         if self._planner is not None:
             self._planner.shutdown(wait=True)  # a session dropped while planned stays empty
         res, self._resources = self._resources, None
@@ -491,6 +500,6 @@ class SnapshotRuntime:
             "was written"
         )
         for s in busy:
-            self._abort(s, error)
+            self.abort(s, error)
         if res is not None:
             res.abandon()
