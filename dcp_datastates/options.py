@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -23,7 +24,10 @@ class WriterOptions:
             chunks let a small pool stream a big tensor; larger ones cost fewer calls.
         coalesce_bytes: Tensors smaller than this are copied together into one pool block, so that
             thousands of tiny tensors do not cost thousands of separate copies.
-        copy_workers: Threads that copy tensors into the host pool.
+        copy_workers: Threads that copy tensors into the host pool. ``None`` (default) picks
+            them from the machine: this rank's share of the CPU cores (``os.cpu_count()``
+            divided by ``LOCAL_WORLD_SIZE``), at most 4 (host memory bandwidth is saturated
+            by then; ``effective_copy_workers``).
         flush_workers: Files each rank writes in parallel (one thread per file).
         max_pool_fraction: Cap on the automatically sized pool, as a fraction of this node's
             physical memory shared by its ranks (divided by ``LOCAL_WORLD_SIZE``).
@@ -54,7 +58,7 @@ class WriterOptions:
     host_pool_bytes: int | None = None
     chunk_bytes: int = 32 * MiB
     coalesce_bytes: int = 1 * MiB
-    copy_workers: int = 1
+    copy_workers: int | None = None
     flush_workers: int = 2
     max_pool_fraction: float = 0.25
     guard_optimizer_step: bool = True
@@ -82,7 +86,8 @@ class WriterOptions:
                 f"coalesce_bytes={self.coalesce_bytes!r} must not exceed "
                 f"chunk_bytes={self.chunk_bytes!r}"
             )
-        _check_int("copy_workers", self.copy_workers, low=1, high=64)
+        if self.copy_workers is not None:
+            _check_int("copy_workers", self.copy_workers, low=1, high=64)
         _check_int("flush_workers", self.flush_workers, low=1, high=64)
         _check_int("eager_copy_bytes", self.eager_copy_bytes, low=0, high=64 * MiB)
         fraction = self.max_pool_fraction
@@ -107,6 +112,14 @@ class WriterOptions:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be True or False")
+
+    def effective_copy_workers(self, local_ranks: int = 1) -> int:
+        """``copy_workers``, or this rank's share of the cores (1 to 4) when it is ``None``.
+        Measured on 2 cores, 0.5 GB: 2 workers 0.09 s to safe, 1 worker 0.10-0.13 s, 4 workers
+        (oversubscribed) 0.11-0.16 s."""
+        if self.copy_workers is not None:
+            return self.copy_workers
+        return max(1, min(4, (os.cpu_count() or 1) // max(1, local_ranks)))
 
     def effective_chunk_bytes(self, pool_bytes: int) -> int:
         """Chunk size that always fits the pool at least twice, so copy and flush can overlap."""

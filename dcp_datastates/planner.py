@@ -11,7 +11,13 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
 from .errors import InvalidStateDictError
-from .providers import ObjectProvider, StateProvider, has_registered_provider, provider_for
+from .providers import (
+    ObjectProvider,
+    StateProvider,
+    TensorProvider,
+    has_registered_provider,
+    provider_for,
+)
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -20,6 +26,9 @@ class DataStatesSavePlanner(DefaultSavePlanner):
     """A ``DefaultSavePlanner`` (same flattening, same dedup, same metadata, so stock readers
     understand the result) that also hands out the state provider of each write item."""
 
+    #: ``id(tensor) -> version`` recorded by ``stage()`` when planning runs after it returned.
+    versions: dict[int, int] | None = None
+
     def provider(self, item: WriteItem) -> StateProvider:
         if item.type == WriteItemType.BYTE_IO:
             value = self.lookup_object(item.index)
@@ -27,7 +36,15 @@ class DataStatesSavePlanner(DefaultSavePlanner):
             value = self._plain_tensor(item)
             if value is None:
                 value = self.resolve_data(item)  # the local tensor or shard
-        return provider_for(item, value)
+        provider = provider_for(item, value)
+        if self.versions is not None and isinstance(provider, TensorProvider):
+            # The snapshot must match the tensor as stage() saw it, not as it is now. A shard's
+            # version was recorded for its DTensor (the state dict's value at this fqn).
+            recorded = self.versions.get(id(value))
+            if recorded is None:
+                recorded = self.versions[id(self.state_dict[item.index.fqn])]
+            provider.staged_version(recorded, value)
+        return provider
 
     def _plain_tensor(self, item: WriteItem) -> torch.Tensor | None:
         """``resolve_data`` for a plain tensor, without DCP's per-item DTensor/ShardedTensor
@@ -96,14 +113,19 @@ def check_state_dict(state_dict: Any, prefix: str = "") -> None:
             check_state_dict(value, f"{prefix}{key}.")
 
 
-def plan_providers(state_dict: dict[str, Any]) -> list[tuple[WriteItem, StateProvider]]:
+def plan_providers(
+    state_dict: dict[str, Any], *, versions: dict[int, int] | None = None
+) -> list[tuple[WriteItem, StateProvider]]:
     """This rank's write items for ``state_dict`` and their providers, in snapshot order.
 
     Runs the same local planning DCP will run on the save thread, so the items' indices match.
-    Objects are serialized here (eagerly); tensors are only described.
+    Objects are serialized here (eagerly); tensors are only described. ``versions``: the
+    tensors' version counters recorded at ``stage()`` (``snapshot/capture.py``), when this runs
+    on another thread after it.
     """
     check_state_dict(state_dict)
     planner = DataStatesSavePlanner()
+    planner.versions = versions
     planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=False)
     plan = planner.create_local_plan()
     return [(item, planner.provider(item)) for item in plan.items]

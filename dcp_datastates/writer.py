@@ -7,12 +7,15 @@ Lifecycle of one save (the state names appear in code, logs and docs)::
 
     state      thread                 rank          call
     ---------  ---------------------  ------------  -----------------------------------------------
-    STAGED     caller (training)      every         stage(sd): check sd, plan this rank's items,
-                                                    make providers (objects serialized now, tiny
-                                                    tensors copied), queue the snapshot; returns sd
-                                                    in about a millisecond. Copies run on the
-                                                    snapshot threads from here; the next forward
-                                                    copies module buffers first (forward gate);
+    STAGED     caller (training)      every         stage(sd): record sd (structure, version
+                                                    counters, copies of tiny tensors; capture.py)
+                                                    and return; the planning thread plans this
+                                                    rank's items, makes the providers, queues the
+                                                    snapshot. (A state with device tensors,
+                                                    subclasses or objects is planned right here.)
+                                                    Copies run on the snapshot threads from here;
+                                                    the next forward copies module buffers first
+                                                    (forward gate);
                                                     optimizer.step() waits for them (the guard).
     PLANNING   DCP save thread        every         reset(id), set_up_storage_writer: claim the
                                                     staged snapshot; prepare_local_plan: mkdir
@@ -65,6 +68,7 @@ from .errors import InvalidStateDictError, WriterUsageError, portable
 from .format import metadata_name
 from .planner import plan_providers, provider_from_any_planner
 from .process_staging import daemon_runtime, stage_for_process
+from .snapshot.capture import Capture, capture
 from .snapshot.engine import SnapshotSession
 from .snapshot.runtime import SnapshotRuntime
 from .stats import SaveStats
@@ -263,21 +267,55 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             self._local.staged_stats = None
             return copied
         rank = _current_rank()
-        items = plan_providers(state_dict)
-        session = self._runtime.new_session(
-            items, rank, expected_bytes=_expected_write_bytes(items, call)
-        )
         stats = SaveStats(checkpoint_id="", rank=rank, pool_bytes=self._runtime.pool_capacity)
-        try:
-            stats.eager_bytes = session.freeze_small(self.options.eager_copy_bytes)
-        except BaseException as exc:
-            self._runtime.abort(session, exc)
-            raise
-        self._runtime.stage(session, stats, started=start, expect_claim=call.found)
+        captured = capture(state_dict, eager_bytes=self.options.eager_copy_bytes)
+        if captured is not None:  # host tensors and plain values: plan on the planning thread
+            stats.eager_bytes = captured.eager_bytes
+            self._runtime.stage_later(
+                functools.partial(self._plan_captured, captured, call),
+                stats,
+                rank=rank,
+                started=start,
+                expect_claim=call.found,
+            )
+        else:
+            items = plan_providers(state_dict)
+            session = self._runtime.new_session(
+                items, rank, expected_bytes=_expected_write_bytes(items, call)
+            )
+            try:
+                stats.eager_bytes = session.freeze_small(self.options.eager_copy_bytes)
+            except BaseException as exc:
+                self._runtime.abort(session, exc)
+                raise
+            self._runtime.stage(session, stats, started=start, expect_claim=call.found)
         self._process_staged = None
         self._local.staged_stats = stats
         stats.blocked_s = stats.stage_s = time.monotonic() - start
         return state_dict
+
+    def _plan_captured(
+        self, captured: Capture, call: _dcp_private.AsyncSaveCall
+    ) -> tuple[list[tuple[Any, Any]], int]:
+        """On the planning thread: the items (and the bytes this rank will write) of what
+        ``stage()`` recorded."""
+        if self._runtime.pool is None:
+            # The first save: faulting the pool in (pool.py) overlaps the planning below.
+            self._runtime.prepare(captured.tensor_bytes() + 64 * captured.tensors, _current_rank())
+        items = plan_providers(captured.state, versions=captured.versions)
+        return items, _expected_write_bytes(items, call)
+
+    def warm_up(self, state_dict: STATE_DICT_TYPE, *, wait: bool = False) -> None:
+        """Allocate the host pool for saves of ``state_dict`` now, and fault it in on a
+        background thread, so that the first save runs as fast as the next ones (a fresh pool's
+        first touch costs about a second per GB). Optional: the first save otherwise starts the
+        same work itself, overlapped with its planning and copies. ``wait``: return only once
+        the whole pool is faulted in. No effect once a save has sized the pool."""
+        tensors = _tensors_of(state_dict)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors) + 64 * len(tensors)
+        pool = self._runtime.prepare(nbytes, _current_rank())
+        if wait:
+            pool.wait_populated()
 
     def _which_call(self) -> _dcp_private.AsyncSaveCall:
         """Which save called stage(): told by dcp_datastates.async_save, else read off DCP's
@@ -544,6 +582,16 @@ def _expected_write_bytes(items: list, call: _dcp_private.AsyncSaveCall) -> int:
         else:
             total += provider.nbytes // world
     return total
+
+
+def _tensors_of(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_of(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_of(v)]
+    return []
 
 
 def _to_torch_future(fut: Future[Any]) -> torch.futures.Future:

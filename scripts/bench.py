@@ -70,6 +70,7 @@ FULL: dict[str, Any] = {
     "scale_count_gb": 0.1,
     "ranks_gb": 1.0,
     "s3_gb": 0.5,
+    "ranks_worlds": "2,4",
 }
 QUICK: dict[str, Any] = {
     **FULL,
@@ -97,6 +98,7 @@ QUICK: dict[str, Any] = {
     "scale_count_gb": 0.004,
     "ranks_gb": 0.01,
     "s3_gb": 0.02,
+    "ranks_worlds": "2",
 }
 
 
@@ -160,6 +162,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--scale-count-gb", type=float, help="state size of the tensor-count sweep")
     g.add_argument("--ranks-gb", type=float, help="state size of the two-rank save, both ranks")
     g.add_argument("--s3-gb", type=float, help="state size of the objstore scenario, GB")
+    g.add_argument("--ranks-gb", type=float, help="state size of the ranks save, all ranks")
+    g.add_argument("--ranks-worlds", help="comma-separated rank counts of the ranks scenario")
     return p
 
 
@@ -256,6 +260,7 @@ def _run(args: argparse.Namespace) -> int:
                     tensors=args.tensors,
                     rounds=args.rounds,
                     timeout=120 if args.quick else 600,
+                    worlds=tuple(int(x) for x in args.ranks_worlds.split(",")),
                 )
             elif scenario == "objstore":
                 objstore.run(

@@ -148,7 +148,7 @@ def test_summary_table_gives_every_target_a_verdict(quick_run: dict[str, Any]) -
         "### Scaling",
     ):
         assert heading in summary
-    assert "### Two ranks" in summary and "### Targets" in summary
+    assert "### Ranks" in summary and "### Targets" in summary
     rows = {ln.split("|")[1].strip(): ln for ln in summary.splitlines() if ln.startswith("| ")}
     for target in TARGETS:
         assert target in rows, f"target {target!r} missing from the summary"

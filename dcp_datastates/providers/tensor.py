@@ -90,6 +90,19 @@ class TensorProvider:
         rows = src[r0:r1]
         dst.view(src.dtype).view(rows.shape).copy_(rows)
 
+    def staged_version(self, version: int, live: torch.Tensor) -> None:
+        """``live`` (the caller's tensor) had ``version`` at ``stage()``, recorded there when
+        this provider is built later, on the planning thread: a write in between fails the
+        snapshot, now or after its copy."""
+        if live.is_conj() or live.is_neg():
+            # The source is a copy resolved just now: faithful only if nothing wrote since.
+            if live._version != version:
+                raise SnapshotMutationError(
+                    fqn=self.fqn, rank=_rank(), before=version, after=live._version
+                )
+            return
+        self._version = version
+
     def copy_into(self, dst: torch.Tensor, start: int, stop: int) -> None:
         frozen = self._frozen
         live = self.source

@@ -271,6 +271,11 @@ _cuda_device: CudaDevice | None = None
 _cuda_lock = threading.Lock()
 
 
+def chosen() -> CopyDevice | None:
+    """The device :func:`use_device` set for this thread, if any."""
+    return getattr(_local, "device", None)
+
+
 def for_providers(providers: Sequence[StateProvider]) -> CopyDevice:
     """The device layer for a snapshot of ``providers``: CUDA when any source is on a GPU."""
     global _cuda_device

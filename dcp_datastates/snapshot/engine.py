@@ -39,7 +39,7 @@ from typing import Any
 
 from ..errors import SnapshotAbortedError
 from ..providers import StateProvider
-from .device import Completion, CopyDevice, devices_of, for_providers
+from .device import CPU, Completion, CopyDevice, devices_of, for_providers
 from .pool import HostPool
 
 logger = logging.getLogger(__name__)
@@ -98,14 +98,15 @@ class SnapshotSession:
         self,
         items: Sequence[tuple[Any, StateProvider]],
         *,
-        pool: HostPool,
+        pool: HostPool | None,
         chunk_bytes: int,
         coalesce_bytes: int,
         rank: int,
         device: CopyDevice | None = None,
+        deferred: bool = False,
     ) -> None:
         self.rank = rank
-        self.pool = pool
+        self.pool = pool  # None only while a deferred session is not planned yet
         self.providers: dict[Any, StateProvider] = {}
         self.slices: dict[Any, list[Slice]] = {}
         self.pieces: list[Piece] = []
@@ -129,7 +130,16 @@ class SnapshotSession:
         self.retired = False
         #: Called (once, on any thread) when the session has retired.
         self.on_retired: Callable[[SnapshotSession], None] | None = None
+        #: Set once the items are known: at once, or by :meth:`plan` for a ``deferred`` session
+        #: (``stage()`` recorded the state; the planning thread plans it, ``capture.py``).
+        self.planned = threading.Event()
+        if deferred:
+            self.device = CPU
+            self.gate = None
+            self.fenced = False
+            return
         self._build(items, chunk_bytes, coalesce_bytes)
+        self.planned.set()
         #: set by the optimizer-step guard once the step's stream waits on every copy
         self.fenced = False
         self.device: CopyDevice = device or for_providers(list(self.providers.values()))
@@ -142,6 +152,29 @@ class SnapshotSession:
         )
 
     # -- planning --------------------------------------------------------------------------
+    def plan(
+        self,
+        items: Sequence[tuple[Any, StateProvider]],
+        *,
+        pool: HostPool,
+        chunk_bytes: int,
+        coalesce_bytes: int,
+    ) -> bool:
+        """Give a ``deferred`` session its items (host copies only); False if it was dropped
+        meanwhile (then it stays empty and is never started)."""
+        with self._lock:
+            if self.error is None and not self._retiring:
+                self.pool = pool
+                self._build(items, chunk_bytes, coalesce_bytes)
+            planned = self.pool is not None
+            self.planned.set()
+        return planned
+
+    def plan_failed(self, error: BaseException) -> None:
+        """Planning a deferred session raised ``error``: the save reports it (its flush)."""
+        self.abort(error)
+        self.planned.set()
+
     def _new_piece(self) -> Piece:
         piece = Piece(seq=len(self.pieces), nbytes=0)
         self.pieces.append(piece)
@@ -254,7 +287,10 @@ class SnapshotSession:
                     self._release(piece)
                 if piece.state != ADMITTED:
                     piece.finish()
-        self.pool.wake()
+            if not self.planned.is_set():
+                self._mark_staged()  # never planned: nothing will be copied from the state
+        if self.pool is not None:
+            self.pool.wake()
 
     @property
     def aborted(self) -> bool:

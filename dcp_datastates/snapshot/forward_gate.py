@@ -38,6 +38,27 @@ _keys: dict[Any, list[int]] = {}
 #: Modules whose tree was walked since the last session was protected.
 _visited: set[int] = set()
 _handle: Any = None
+#: Sessions ``stage()`` recorded whose planning (and so :func:`protect`) has not run yet: a
+#: module forward waits for them, so that it never updates a buffer protect() would freeze.
+_planning: set[Any] = set()
+_released = threading.Condition(_lock)
+
+
+def hold(session: Any) -> None:
+    """Until :func:`release`, module forwards wait (for the planning thread to plan and protect
+    ``session``). Call on the training thread, in ``stage()``: it installs the hook there."""
+    global _handle
+    with _lock:
+        _planning.add(session)
+        if _handle is None:
+            _handle = register_module_forward_pre_hook(_pre_forward)
+
+
+def release(session: Any) -> None:
+    """``session`` is planned and protected (or will never be): forwards go on."""
+    with _released:
+        _planning.discard(session)
+        _released.notify_all()
 
 
 def protect(session: Any) -> None:
@@ -76,11 +97,16 @@ def _forget(session: Any) -> None:
 
 def _pre_forward(module: torch.nn.Module, args: Any) -> None:
     global _handle
+    if _planning:
+        start = time.perf_counter()
+        with _released:
+            _released.wait_for(lambda: not _planning)
+        logger.debug("forward waited %.3fs for snapshot planning", time.perf_counter() - start)
     if not _by_storage:
         # Nothing in flight: leave the hook-free fast path to every later forward. Removing the
         # hook here, on the thread that runs forward, never races with its own hook loop.
         with _lock:
-            if not _by_storage and _handle is not None:
+            if not _by_storage and not _planning and _handle is not None:
                 _handle.remove()
                 _handle = None
         return

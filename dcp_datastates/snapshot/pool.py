@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from .. import _cuda
+from .hostmem import SLICE_BYTES, PopulatedBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +41,14 @@ class HostPool:
     """``capacity`` bytes of host memory handed out as aligned blocks.
 
     The buffer is allocated lazily by the first :meth:`reserve` (on the scheduler thread, never on
-    the training thread) and kept until :meth:`close`. With a GPU, pinning it takes seconds for
+    the training thread) and kept until :meth:`close`; with ``populate`` (a writer's pool) it is
+    mapped at once and faulted in by a background thread (``hostmem.py``), and a reserve waits
+    only until its own block is. With a GPU, pinning it takes seconds for
     tens of GB, so it starts in the background as soon as the pool exists (the size is known),
     pinned through the creating thread's device (the rank's own); the first reserve waits for it.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, populate: bool = False) -> None:
         self.capacity = _align(capacity)
         self._buffer: torch.Tensor | None = None
         self._cond = threading.Condition()
@@ -57,12 +60,44 @@ class HostPool:
         _LIVE.add(self)
         self._allocation: threading.Thread | None = None
         self._allocated: list[torch.Tensor | BaseException] = []
+        #: Bytes from offset 0 that are faulted in (unpinned pools, populated in the background).
+        self._ready = self.capacity
+        self._populating: PopulatedBuffer | None = None
+        self._populator: threading.Thread | None = None
+        self._closing = False
         if _cuda.pinning():
             device = _cuda.current_device()
             self._allocation = threading.Thread(
                 target=self._allocate, args=(device,), name="datastates-pin", daemon=True
             )
             self._allocation.start()
+        elif populate:
+            # First touch of fresh pages made the first save several times slower than the next
+            # (hostmem.py): fault them in now, front first, while the first snapshot is planned.
+            self._populating = PopulatedBuffer(self.capacity)
+            self._buffer = self._populating.tensor
+            self._ready = 0
+            self._populator = threading.Thread(
+                target=self._populate, name="datastates-populate", daemon=True
+            )
+            self._populator.start()
+
+    def _populate(self) -> None:
+        buffer = self._populating
+        assert buffer is not None
+        try:
+            while self._ready < self.capacity and not self._closing:
+                n = min(SLICE_BYTES, self.capacity - self._ready)
+                buffer.populate(self._ready, n)
+                with self._cond:
+                    self._ready += n
+                    self._cond.notify_all()
+        except BaseException:  # never let an error die here: copies fault pages in themselves
+            logger.warning("populating the host pool failed; copies fault it in", exc_info=True)
+        finally:
+            with self._cond:
+                self._ready = self.capacity
+                self._cond.notify_all()
 
     def _allocate(self, device: int | None) -> None:
         try:
@@ -73,6 +108,16 @@ class HostPool:
     @property
     def allocated_bytes(self) -> int:
         return 0 if self._buffer is None else self.capacity
+
+    @property
+    def populated_bytes(self) -> int:
+        """Bytes of the pool faulted in ahead of use (the whole pool once population is over)."""
+        return self._ready
+
+    def wait_populated(self, timeout: float | None = None) -> bool:
+        """Wait until the whole pool is faulted in (``DataStatesWriter.warm_up``)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._ready >= self.capacity, timeout)
 
     def _ensure_buffer(self) -> torch.Tensor:
         if self._buffer is None and self._allocation is not None:
@@ -145,6 +190,9 @@ class HostPool:
                     return None
                 offset = self._try_reserve(size)
                 if offset is not None:
+                    # The first pass over a fresh pool: its copy starts once its block is in.
+                    while self._ready < offset + size:
+                        self._cond.wait()
                     return offset
                 if not self._cond.wait(timeout=1.0) and on_stall is not None:
                     self._cond.release()
@@ -171,7 +219,13 @@ class HostPool:
         with self._cond:
             if self._blocks:
                 raise RuntimeError(f"host pool closed with {len(self._blocks)} blocks in use")
+            self._closing = True
+        if self._populator is not None:
+            self._populator.join()  # stops after the slice in progress
+            self._populator = None
+        with self._cond:
             self._buffer = None
+            self._populating = None
         if self._allocation is not None:
             self._allocation.join()
             self._allocation = None

@@ -31,8 +31,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,11 +83,13 @@ class _Resources:
     """What a runtime allocates once, on the first save, and reuses: pool and threads."""
 
     def __init__(self, options: WriterOptions, pool_bytes: int, on_stall: Any) -> None:
-        self.pool = HostPool(pool_bytes)
+        self.pool = HostPool(pool_bytes, populate=True)
         self.chunk_bytes = options.effective_chunk_bytes(self.pool.capacity)
         self.coalesce_bytes = min(options.coalesce_bytes, self.chunk_bytes)
         self.scheduler = SnapshotScheduler(
-            self.pool, copy_workers=options.copy_workers, on_stall=on_stall
+            self.pool,
+            copy_workers=options.effective_copy_workers(local_world_size()),
+            on_stall=on_stall,
         )
         self.flushes: set[Future[Any]] = set()  # running flushes, which close() waits for
 
@@ -129,6 +131,7 @@ class SnapshotRuntime:
         self._unclaimed: _Staged | None = None
         self._sessions: list[SnapshotSession] = []
         self._resources: _Resources | None = None
+        self._planner: ThreadPoolExecutor | None = None  # plans what stage() recorded
         self.closed = False
         #: ``staged`` future of the most recent ``stage()``.
         self.last_staged: Future[None] | None = None
@@ -252,6 +255,78 @@ class SnapshotRuntime:
                 session, threading.current_thread(), token, expect_claim, time.monotonic()
             )
 
+    def stage_later(
+        self,
+        plan: Callable[[], tuple[Sequence[tuple[WriteItem, StateProvider]], int]],
+        token: Any,
+        *,
+        rank: int,
+        started: float,
+        expect_claim: bool,
+    ) -> None:
+        """:meth:`stage` for a state ``stage()`` only recorded (``capture.py``): the session is
+        planned on the planning thread by ``plan()`` (its items and the bytes this rank will
+        write). Host copies only. Until it is planned, the optimizer step waits as for the
+        copies, module forwards wait too (so the forward gate covers its buffers), and the save
+        thread's claim waits; a planning failure fails the session, and so the save."""
+        session = SnapshotSession(
+            [], pool=None, chunk_bytes=0, coalesce_bytes=0, rank=rank, deferred=True
+        )
+        session.created = started
+        session.on_retired = self._retired
+        with self._lock:
+            self.check_open()
+            self._sessions = [s for s in self._sessions if not s.retired] + [session]
+            if self._planner is None:
+                self._planner = ThreadPoolExecutor(1, thread_name_prefix="datastates-plan")
+            planner = self._planner
+        try:
+            self._hand_off(session, token, expect_claim)
+        except BaseException as exc:
+            self.abort(session, exc)  # never left behind for close() to wait on
+            raise
+        if self.options.guard_optimizer_step:
+            _guard.guard(session.staged, session.add_optimizer_wait, None)
+        if self.options.guard_forward:
+            _forward_gate.hold(session)
+        self.last_staged = session.staged
+        planner.submit(self._plan_and_start, session, plan)
+
+    def _plan_and_start(
+        self,
+        session: SnapshotSession,
+        plan: Callable[[], tuple[Sequence[tuple[WriteItem, StateProvider]], int]],
+    ) -> None:
+        try:
+            try:
+                items, expected_bytes = plan()
+                with self._lock:  # close() waits for this session: planning goes on
+                    res = self._ensure(expected_bytes, session.rank)
+                planned = session.plan(
+                    [(item.index, provider) for item, provider in items],
+                    pool=res.pool,
+                    chunk_bytes=res.chunk_bytes,
+                    coalesce_bytes=res.coalesce_bytes,
+                )
+                if planned:
+                    self._check_fits(session, res.pool)
+            except BaseException as exc:  # reaches the save through its flush, once
+                session.plan_failed(exc)
+                return
+            if not planned:
+                return
+            if self.options.guard_forward:
+                _forward_gate.protect(session)
+            res.scheduler.submit(session)
+        finally:
+            _forward_gate.release(session)
+
+    def prepare(self, expected_bytes: int, rank: int) -> HostPool:
+        """Size the pool now (if no save did yet) and start faulting it in (``pool.py``)."""
+        with self._lock:
+            self.check_open()
+            return self._ensure(expected_bytes, rank).pool
+
     @staticmethod
     def _never_claimed_error(rank: int) -> SnapshotAbortedError:
         return SnapshotAbortedError(
@@ -272,7 +347,8 @@ class SnapshotRuntime:
             self._unclaimed = None
             self._changed.notify_all()
             pending.session.owner = threading.current_thread()
-            return pending.session, pending.token
+        pending.session.planned.wait()  # a deferred session: here, not on the caller's thread
+        return pending.session, pending.token
 
     def drop_unclaimed(self, error: BaseException) -> None:
         """The save that was to claim the staged session will not run (``dcp.async_save``
@@ -397,6 +473,8 @@ class SnapshotRuntime:
                 self._unclaimed = None
             for s in busy:
                 self.abort(s, self._dropped_error())
+        if self._planner is not None:
+            self._planner.shutdown(wait=True)  # a session dropped while planned stays empty
         res, self._resources = self._resources, None
         if res is not None:
             res.close()
@@ -415,6 +493,8 @@ class SnapshotRuntime:
             self._unclaimed = None
             busy = self._busy()
             res, self._resources = self._resources, None
+            if self._planner is not None:
+                self._planner.shutdown(wait=False)
         error = SnapshotAbortedError(
             f"the DataStatesWriter for {self.name} was garbage collected before this snapshot "
             "was written"

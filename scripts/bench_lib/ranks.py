@@ -1,10 +1,11 @@
-"""The save scenario on two ranks: real gloo process groups on 127.0.0.1, DTensor-sharded state.
+"""The save scenario on several ranks (2 and 4 by default): real gloo process groups on 127.0.0.1,
+DTensor-sharded state.
 
-Both ranks run in fresh processes (``bench.py _rank-worker``, as ``tests/_dist_workers.py`` does),
-hold half of the state each as ``Shard(0)`` DTensors, and save it with each system in turn after a
-barrier; a save's figure is the slowest rank's. One untimed warm-up round lets our writer allocate
-its pool. Workers leave through ``os._exit`` once their report is written, because torch's gloo
-teardown can abort the interpreter (pytorch/pytorch#190489).
+All ranks run in fresh processes (``bench.py _rank-worker``, as ``tests/_dist_workers.py``
+does), hold 1/world of the state each as ``Shard(0)`` DTensors, and save it with each system in
+turn after a barrier; a save's figure is the slowest rank's. One untimed warm-up round lets our
+writer allocate its pool. Workers leave through ``os._exit`` once their report is written,
+because torch's gloo teardown can abort the interpreter (pytorch/pytorch#190489).
 """
 
 from __future__ import annotations
@@ -120,10 +121,40 @@ def _launch(workdir: Path, world: int, args: dict[str, Any], timeout: float) -> 
 
 
 def run(
-    rec: Recorder, *, workdir: Path, nbytes: int, tensors: int, rounds: int, timeout: float
+    rec: Recorder,
+    *,
+    workdir: Path,
+    nbytes: int,
+    tensors: int,
+    rounds: int,
+    timeout: float,
+    worlds: tuple[int, ...] = (2,),
 ) -> None:
-    workdir = fresh_dir(workdir / "ranks")
-    world = 2
+    """One launch per world size in ``worlds``; the same total state is split across ranks, so
+    the figures show how blocked, safe and durable times grow with the rank count."""
+    root = fresh_dir(workdir / "ranks")
+    for world in worlds:
+        _run_world(
+            rec,
+            workdir=fresh_dir(root / str(world)),
+            world=world,
+            nbytes=nbytes,
+            tensors=tensors,
+            rounds=rounds,
+            timeout=timeout,
+        )
+
+
+def _run_world(
+    rec: Recorder,
+    *,
+    workdir: Path,
+    world: int,
+    nbytes: int,
+    tensors: int,
+    rounds: int,
+    timeout: float,
+) -> None:
     log(f"ranks: {world} gloo ranks, {nbytes / GB:.2f} GB in all, {rounds} rounds")
     args = {"bytes": nbytes, "tensors": tensors, "rounds": rounds, "systems": KEYS}
     reports = _launch(workdir, world, args, timeout)

@@ -241,26 +241,34 @@ def ranks_table(f: _Figures) -> str | None:
     if not names:
         return None
     first = f.rec.select("ranks")[0]
-    base_b = f.spread("ranks", STOCK_ASYNC, "blocked_s")
-    base_d = f.spread("ranks", STOCK_ASYNC, "durable_s")
+    worlds = sorted({r["ranks"] for r in f.rec.select("ranks")})
     rows = []
-    for n in names:
-        b, s, d = (f.spread("ranks", n, k) for k in ("blocked_s", "safe_s", "durable_s"))
-        rows.append(
-            [
-                n,
-                _fmt(b, 4),
-                _fmt(s),
-                _fmt(d),
-                _fmt(f.spread("ranks", n, "durable_gb_per_s"), 2),
-                _ratio(b, base_b, 4),
-                _ratio(d, base_d, 2),
-            ]
-        )
-    title = f"### Two ranks (gloo; {first['bytes'] / GB:.2f} GB in all; slowest rank)"
-    header = ["system", "blocked s", "safe s", "durable s", "GB/s", "blocked / stock async"]
-    header += ["durable / stock async"]
+    for world in worlds:
+        base_b = f.spread("ranks", STOCK_ASYNC, "blocked_s", ranks=world)
+        base_d = f.spread("ranks", STOCK_ASYNC, "durable_s", ranks=world)
+        for n in names:
+            b, s, d = (f.spread("ranks", n, k, ranks=world) for k in RANK_FIGURES)
+            if b is None:
+                continue
+            rows.append(
+                [
+                    str(world),
+                    n,
+                    _fmt(b, 4),
+                    _fmt(s),
+                    _fmt(d),
+                    _fmt(f.spread("ranks", n, "durable_gb_per_s", ranks=world), 2),
+                    _ratio(b, base_b, 4),
+                    _ratio(d, base_d, 2),
+                ]
+            )
+    title = f"### Ranks (gloo, one machine; {first['bytes'] / GB:.2f} GB in all; slowest rank)"
+    header = ["ranks", "system", "blocked s", "safe s", "durable s", "GB/s"]
+    header += ["blocked / stock async", "durable / stock async"]
     return title + "\n\n" + _table(header, rows)
+
+
+RANK_FIGURES = ("blocked_s", "safe_s", "durable_s")
 
 
 @dataclass(frozen=True)

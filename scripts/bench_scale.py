@@ -1,0 +1,118 @@
+"""Quick measurements behind docs/benchmarks.md's "Performance at scale" section (issue 11).
+
+    python scripts/bench_scale.py counts 100,1000,5000,20000    # blocked: ours vs stock async
+    python scripts/bench_scale.py first 1.0 [--warm]             # first save vs steady, one writer
+    python scripts/bench_scale.py copy 0.5 1,2,4                 # safe vs DefaultStager, by workers
+
+Each prints one line per point with stock figures of the same process; nothing is asserted.
+``EAGER=0`` sets ``eager_copy_bytes=0`` for ``counts``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from bench_lib import state  # noqa: E402
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
+
+from dcp_datastates import DataStatesWriter  # noqa: E402
+
+
+def counts(arg: str) -> None:
+    for n in [int(x) for x in arg.split(",")]:
+        sd = state.build(0.1e9, n)
+        d = tempfile.mkdtemp()
+        w = DataStatesWriter(d, eager_copy_bytes=int(os.environ.get("EAGER", "4096")))
+        ours, stock = [], []
+        for i in range(3):
+            t = time.perf_counter()
+            f = dcp.async_save(sd, storage_writer=w, checkpoint_id=f"{d}/o{i}", no_dist=True)
+            ours.append(time.perf_counter() - t)
+            f.result()
+            t = time.perf_counter()
+            f = dcp.async_save(sd, checkpoint_id=f"{d}/s{i}", no_dist=True)
+            stock.append(time.perf_counter() - t)
+            f.result()
+        w.close()
+        shutil.rmtree(d)
+        o, s = min(ours[1:]), min(stock[1:])
+        print(
+            f"tensors {len(state.tensors_of(sd))}: ours blocked {o * 1e3:.1f} ms (first "
+            f"{ours[0] * 1e3:.1f}), stock default {s * 1e3:.1f} ms, ratio 1/{s / o:.0f}",
+            flush=True,
+        )
+
+
+def first(gb: float, warm: bool) -> None:
+    sd = state.build(gb * 1e9, 120)
+    d = tempfile.mkdtemp()
+    w = DataStatesWriter(d)
+    if warm:
+        t = time.perf_counter()
+        w.warm_up(sd, wait=True)
+        print(f"warm_up {time.perf_counter() - t:.3f} s")
+    for i in range(3):
+        t = time.perf_counter()
+        f = dcp.async_save(sd, storage_writer=w, checkpoint_id=f"{d}/c{i}", no_dist=True)
+        blocked = time.perf_counter() - t
+        f.result()
+        st = w.last_stats
+        print(
+            f"save {i}: blocked {blocked:.3f} safe {st.safe_to_mutate_s:.3f} "
+            f"durable {st.durable_s:.3f} s"
+        )
+        shutil.rmtree(f"{d}/c{i}")
+    w.close()
+    shutil.rmtree(d)
+
+
+def copy(gb: float, workers: str) -> None:
+    sd = state.build(gb * 1e9, 120)
+    src = torch.ones(int(gb * 1e9), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    for _ in range(2):
+        t = time.perf_counter()
+        dst.copy_(src)
+        mc = time.perf_counter() - t
+        stager = DefaultStager(StagingOptions(False, True, False, False))
+        stager.stage(sd)  # its cache, as in steady state
+        t = time.perf_counter()
+        stager.stage(sd)
+        st = time.perf_counter() - t
+        stager.close()
+        line = f"memcpy {mc:.3f}s ({gb / mc:.1f} GB/s) DefaultStager(cached) {st:.3f}s"
+        for k in [int(x) for x in workers.split(",")]:
+            d = tempfile.mkdtemp()
+            w = DataStatesWriter(d, copy_workers=k)
+            w.warm_up(sd, wait=True)
+            for i in range(2):
+                f = dcp.async_save(sd, storage_writer=w, checkpoint_id=f"{d}/c{i}", no_dist=True)
+                f.result()
+            s = w.last_stats.safe_to_mutate_s
+            w.close()
+            shutil.rmtree(d)
+            line += f" | ours w={k} safe {s:.3f}s ({s / st:.2f}x)"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1]
+    if cmd == "counts":
+        counts(sys.argv[2])
+    elif cmd == "first":
+        first(float(sys.argv[2]), "--warm" in sys.argv)
+    elif cmd == "copy":
+        copy(float(sys.argv[2]), sys.argv[3])
+    else:
+        raise SystemExit(__doc__)

@@ -1,0 +1,197 @@
+"""``stage()`` records the state on the caller's thread and plans on the planning thread.
+
+The snapshot must still be the state as ``stage()`` saw it: a version bump between ``stage()``
+and planning fails the save, a dict entry replaced after ``stage()`` is not what gets saved, the
+optimizer-step guard waits for planning too, and a planning failure reaches the save's future.
+Each race is made deterministic by a writer whose planning waits on a gate (fault injection by
+subclassing the real writer).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import EVENT_TIMEOUT_S, failure_of, load_like
+
+from dcp_datastates import (
+    CheckpointSaveError,
+    DataStatesWriter,
+    SnapshotMutationError,
+    async_save,
+)
+from dcp_datastates.format import METADATA_NAME
+from dcp_datastates.snapshot.capture import capture
+
+
+class GatedPlanningWriter(DataStatesWriter):
+    """Planning (on the planning thread) starts only once ``gate`` is set; may then fail."""
+
+    def __init__(self, path: Any, *, fail: BaseException | None = None, **options: Any) -> None:
+        super().__init__(path, **options)
+        self.gate = threading.Event()
+        self.planned_on: list[str] = []
+        self.fail = fail
+
+    def _plan_captured(self, captured: Any, call: Any) -> Any:
+        self.planned_on.append(threading.current_thread().name)
+        assert self.gate.wait(EVENT_TIMEOUT_S)
+        if self.fail is not None:
+            raise self.fail
+        return super()._plan_captured(captured, call)
+
+
+@pytest.fixture
+def gated(tmp_path: Path) -> Any:
+    writers: list[GatedPlanningWriter] = []
+
+    def make(**options: Any) -> GatedPlanningWriter:
+        writer = GatedPlanningWriter(tmp_path / "ckpt", **options)
+        writers.append(writer)
+        return writer
+
+    yield make
+    for writer in writers:
+        writer.gate.set()
+        writer.close()
+
+
+def test_planning_runs_off_the_callers_thread(tmp_path: Path, gated: Any) -> None:
+    writer = gated()
+    state = {"w": torch.arange(8.0), "step": 3}
+    response = async_save(state, writer, no_dist=True)  # returns with planning still gated
+    assert not writer.staging_future.done()
+    writer.gate.set()
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert writer.planned_on and writer.planned_on[0].startswith("datastates-plan")
+    assert torch.equal(load_like(tmp_path / "ckpt", state, "datastates")["w"], state["w"])
+
+
+def test_a_write_between_stage_and_planning_fails_the_save(tmp_path: Path, gated: Any) -> None:
+    writer = gated(guard_optimizer_step=False)
+    weight = torch.ones(4096)  # above eager_copy_bytes: not copied by stage()
+    response = async_save({"w": weight}, writer, no_dist=True)
+    weight.add_(1.0)  # before planning: only the version recorded by stage() can tell
+    writer.gate.set()
+
+    with pytest.raises(CheckpointSaveError) as raised:
+        response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    mutation = failure_of(raised.value, SnapshotMutationError)
+    assert mutation is not None and mutation.fqn == "w", raised.value
+    assert not (tmp_path / "ckpt" / METADATA_NAME).exists()
+
+
+def test_an_entry_replaced_after_stage_is_not_what_gets_saved(tmp_path: Path, gated: Any) -> None:
+    writer = gated()
+    staged = torch.full((4096,), 1.0)
+    state = {"w": staged, "meta": {"epoch": 1}}
+    response = async_save(state, writer, no_dist=True)
+    state["w"] = torch.full((4096,), 2.0)  # same shape: DCP's plan still matches
+    writer.gate.set()
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+
+    loaded = load_like(tmp_path / "ckpt", {"w": torch.zeros(4096)}, "stock")
+    assert torch.equal(loaded["w"], staged)
+
+
+def test_the_optimizer_step_waits_for_planning_and_copy(tmp_path: Path, gated: Any) -> None:
+    writer = gated()
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.randn(2, 8)).sum().backward()
+    before = model.weight.detach().clone()
+    response = async_save({"model": model.state_dict()}, writer, no_dist=True)
+
+    stepped = threading.Event()
+    stepper = threading.Thread(target=lambda: (optimizer.step(), stepped.set()))
+    stepper.start()
+    assert not stepped.wait(0.2)  # held back: the snapshot is not even planned yet
+    writer.gate.set()
+    stepper.join(EVENT_TIMEOUT_S)
+    assert stepped.is_set()
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+
+    target = {"model": {"weight": torch.zeros(4, 8), "bias": torch.zeros(4)}}
+    loaded = load_like(tmp_path / "ckpt", target, "datastates")
+    assert torch.equal(loaded["model"]["weight"], before)
+    assert not torch.equal(model.weight.detach(), before)
+
+
+def test_a_planning_failure_reaches_the_save_once_and_frees_the_state(
+    tmp_path: Path, gated: Any
+) -> None:
+    writer = gated(fail=RuntimeError("planning broke"))
+    response = async_save({"w": torch.ones(4)}, writer, no_dist=True)
+    writer.gate.set()
+    with pytest.raises(CheckpointSaveError) as raised:
+        response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert failure_of(raised.value, RuntimeError) is not None
+    assert "planning broke" in str(raised.value)
+    assert writer.staging_future.result(timeout=EVENT_TIMEOUT_S) is None  # state free to change
+    assert not (tmp_path / "ckpt" / METADATA_NAME).exists()
+
+
+def test_capture_records_versions_and_copies_the_structure() -> None:
+    w = torch.ones(3)
+    w.add_(1.0)
+    state = {"model": {"w": w}, "optim": {"state": {0: {"m": w}}, "groups": [{"betas": (0.9,)}]}}
+    captured = capture(state)
+    assert captured is not None
+    assert captured.versions == {id(w): w._version}
+    assert captured.state == state and captured.state["model"] is not state["model"]
+    assert captured.state["model"]["w"] is w
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        pytest.param({"obj": object()}, id="object-serialized-on-the-caller"),
+        pytest.param({"w": torch.ones(2), "lst": [{1, 2}]}, id="mutable-set"),
+        pytest.param({"d": {1: torch.ones(1), "1": torch.ones(1)}}, id="colliding-keys"),
+        pytest.param({}, id="empty"),
+    ],
+)
+def test_capture_declines_what_the_callers_path_must_handle(state: dict[str, Any]) -> None:
+    assert capture(state) is None
+
+
+def test_capture_declines_when_a_provider_is_registered(registered_providers: Any) -> None:
+    registered_providers(frozenset, lambda fqn, v: None)
+    assert capture({"w": torch.ones(2)}) is None
+
+
+def test_capture_copies_small_tensors_eagerly_when_asked() -> None:
+    small, big = torch.ones(4), torch.ones(4096)
+    captured = capture({"s": small, "b": big}, eager_bytes=64)
+    assert captured is not None and captured.eager_bytes == 16
+    assert captured.state["b"] is big and captured.state["s"] is not small
+    small.add_(1.0)
+    assert torch.equal(captured.state["s"], torch.ones(4))
+
+
+def test_a_forward_waits_for_planning_so_its_buffers_are_frozen(tmp_path: Path, gated: Any) -> None:
+    """BatchNorm's running statistics (8 KiB each here: above eager_copy_bytes) change in
+    forward, before any optimizer step: the forward gate must cover them even though the
+    session is planned after stage() returned."""
+    writer = gated()
+    model = torch.nn.BatchNorm1d(2048).train()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    response = async_save({"model": model.state_dict()}, writer, no_dist=True)
+
+    done = threading.Event()
+    forward = threading.Thread(target=lambda: (model(torch.randn(4, 2048)), done.set()))
+    forward.start()
+    assert not done.wait(0.2)  # held until the planning thread has protected the buffers
+    writer.gate.set()
+    forward.join(EVENT_TIMEOUT_S)
+    assert done.is_set()
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+
+    assert not torch.equal(model.running_mean, before["running_mean"])  # forward did update
+    target = {"model": {k: torch.zeros_like(v) for k, v in before.items()}}
+    loaded = load_like(tmp_path / "ckpt", target, "datastates")
+    for key, value in before.items():
+        assert torch.equal(loaded["model"][key], value), key
