@@ -160,7 +160,6 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--scale-sizes", help="GB, comma-separated")
     g.add_argument("--scale-counts", help="tensor counts, comma-separated")
     g.add_argument("--scale-count-gb", type=float, help="state size of the tensor-count sweep")
-    g.add_argument("--ranks-gb", type=float, help="state size of the two-rank save, both ranks")
     g.add_argument("--s3-gb", type=float, help="state size of the objstore scenario, GB")
     g.add_argument("--ranks-gb", type=float, help="state size of the ranks save, all ranks")
     g.add_argument("--ranks-worlds", help="comma-separated rank counts of the ranks scenario")
