@@ -10,17 +10,21 @@ different from what was saved (the test asserts none, for both implementations).
 from __future__ import annotations
 
 import io
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _dist_workers import FUTURE_TIMEOUT_S, _init, full_values  # noqa: E402
+from _dist_workers import (  # noqa: E402
+    FUTURE_TIMEOUT_S,
+    _init,
+    exit_without_teardown,
+    full_values,
+    run_worker,
+)
 
 
 def writer_for(impl: str, path: Path, **kwargs: Any) -> Any:
@@ -178,32 +182,15 @@ def _run(impl: str, rank: int, world_size: int, workdir: Path) -> dict[str, Any]
     return report
 
 
-def main(argv: list[str]) -> int:
-    impl, rank, world_size, port, workdir = (
-        argv[0],
-        int(argv[1]),
-        int(argv[2]),
-        int(argv[3]),
-        Path(argv[4]),
-    )
+def _scenario(impl: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
     import torch.distributed as dist
 
+    _init(rank, world_size, port)
     try:
-        _init(rank, world_size, port)
-        try:
-            report = _run(impl, rank, world_size, workdir)
-        finally:
-            dist.destroy_process_group()
-        report["ok"] = True
-    except BaseException:
-        traceback.print_exc()
-        report = {"ok": False, "traceback": traceback.format_exc()}
-    (workdir / f"rank{rank}.json").write_text(json.dumps(report))
-    return 0 if report["ok"] else 1
+        return _run(impl, rank, world_size, workdir)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # see _dist_workers: gloo's teardown can abort after a clean report
+    exit_without_teardown(run_worker(sys.argv[1:], _scenario))

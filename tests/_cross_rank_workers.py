@@ -12,11 +12,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,9 @@ from _dist_workers import (  # noqa: E402
     _init,
     _mutate,
     _rank_state,
+    exit_without_teardown,
     launch,
+    run_worker,
 )
 
 #: The cause every injected error carries, so a test can find it in what each rank saw.
@@ -216,28 +216,16 @@ def launch_ranks(
     return launch(scenario, workdir, world_size=world_size, timeout=timeout, script=__file__)
 
 
-def main(argv: list[str]) -> int:
-    scenario, rank, world_size = argv[0], int(argv[1]), int(argv[2])
-    port, workdir = int(argv[3]), Path(argv[4])
-    try:
-        if scenario.startswith("errors-"):
-            report = _errors(scenario[7:], rank, world_size, port, workdir)
-        elif scenario == "process-dtensor":
-            report = _process_dtensor(rank, world_size, port, workdir)
-        else:
-            raise ValueError(f"unknown scenario {scenario!r}")
-        report["ok"] = True
-    except BaseException:
-        traceback.print_exc()
-        report = {"ok": False, "traceback": traceback.format_exc()}
-    (workdir / f"rank{rank}.json").write_text(json.dumps(report))
-    return 0 if report["ok"] else 1
+def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
+    if scenario.startswith("errors-"):
+        return _errors(scenario[7:], rank, world_size, port, workdir)
+    if scenario == "process-dtensor":
+        return _process_dtensor(rank, world_size, port, workdir)
+    raise ValueError(f"unknown scenario {scenario!r}")
 
 
 if __name__ == "__main__":  # the guard also keeps DCP's spawned daemon from re-running a scenario
-    code = main(sys.argv[1:])
+    code = run_worker(sys.argv[1:], _scenario)
     if sys.argv[1] == "process-dtensor":
         sys.exit(code)  # DCP's daemon is torn down at normal exit
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as in _dist_workers: skip torch's gloo teardown once the report is written
+    exit_without_teardown(code)

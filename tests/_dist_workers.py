@@ -19,11 +19,11 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -354,7 +354,10 @@ def _scenario_process(rank: int, world_size: int, port: int, workdir: Path) -> d
     return report
 
 
-def main(argv: list[str]) -> int:
+def run_worker(argv: list[str], run: Callable[[str, int, int, int, Path], dict]) -> int:
+    """A worker process's body, shared by every ``tests/_*_workers.py``: parse ``scenario rank
+    world_size port workdir``, run ``run`` with them, and write its report (or the traceback)
+    to ``workdir/rank{rank}.json``, which the test reads. Returns the exit code."""
     scenario, rank, world_size, port, workdir = (
         argv[0],
         int(argv[1]),
@@ -363,16 +366,7 @@ def main(argv: list[str]) -> int:
         Path(argv[4]),
     )
     try:
-        if scenario.startswith("save-"):
-            report = _scenario_save(scenario[5:], rank, world_size, port, workdir)
-        elif scenario.startswith("load-"):
-            report = _scenario_load(scenario[5:], rank, world_size, port, workdir)
-        elif scenario.startswith("fail-"):
-            report = _scenario_fail(scenario[5:], rank, world_size, port, workdir)
-        elif scenario == "process":
-            report = _scenario_process(rank, world_size, port, workdir)
-        else:
-            raise ValueError(f"unknown scenario {scenario!r}")
+        report = run(scenario, rank, world_size, port, workdir)
         report["ok"] = True
     except BaseException:
         traceback.print_exc()
@@ -381,15 +375,31 @@ def main(argv: list[str]) -> int:
     return 0 if report["ok"] else 1
 
 
-if __name__ == "__main__":  # the guard also keeps DCP's spawned daemon from re-running a scenario
-    code = main(sys.argv[1:])
-    if sys.argv[1] == "process":
-        # Normal teardown is part of what this scenario checks: DCP's daemon must not outlive us.
-        sys.exit(code)
-    # The report is written and every process group destroyed; what is left is interpreter
-    # teardown, where torch's gloo threads can still abort the process ("terminate called
-    # without an active exception", pytorch/pytorch#190489). It hit one CI run after a clean
-    # report, so exit here: the tests judge the report and the files, not torch's teardown.
+def exit_without_teardown(code: int) -> NoReturn:
+    """Exit a worker whose report is written and process groups destroyed. What is left is
+    interpreter teardown, where torch's gloo threads can still abort the process ("terminate
+    called without an active exception", pytorch/pytorch#190489); it hit one CI run after a clean
+    report. The tests judge the report and the files, not torch's teardown."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
+    if scenario.startswith("save-"):
+        return _scenario_save(scenario[5:], rank, world_size, port, workdir)
+    if scenario.startswith("load-"):
+        return _scenario_load(scenario[5:], rank, world_size, port, workdir)
+    if scenario.startswith("fail-"):
+        return _scenario_fail(scenario[5:], rank, world_size, port, workdir)
+    if scenario == "process":
+        return _scenario_process(rank, world_size, port, workdir)
+    raise ValueError(f"unknown scenario {scenario!r}")
+
+
+if __name__ == "__main__":  # the guard also keeps DCP's spawned daemon from re-running a scenario
+    code = run_worker(sys.argv[1:], _scenario)
+    if sys.argv[1] == "process":
+        # Normal teardown is part of what this scenario checks: DCP's daemon must not outlive us.
+        sys.exit(code)
+    exit_without_teardown(code)

@@ -22,18 +22,23 @@ the same writers (the fault gone) succeeded.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _dist_workers import RankResult, _failing_writer_class, _init, launch  # noqa: E402
+from _dist_workers import (  # noqa: E402
+    RankResult,
+    _failing_writer_class,
+    _init,
+    exit_without_teardown,
+    launch,
+    run_worker,
+)
 from _faults_util import BOUNDED_S, apply_step, base_state  # noqa: E402
 
 #: Size of the crash worker's state, and its writer: a pool smaller than the state makes the
@@ -145,28 +150,14 @@ def start_crash_worker(run_dir: Path, first_step: int) -> subprocess.Popen:
         log.close()
 
 
-def main(argv: list[str]) -> int:
-    scenario = argv[0]
-    if scenario == "crash":
-        _crash(Path(argv[1]), int(argv[2]))  # runs until killed
-        return 1
-    rank, world_size, port, workdir = int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
-    try:
-        if not scenario.startswith("rank-fails-"):
-            raise ValueError(f"unknown scenario {scenario!r}")
-        report = _rank_fails(int(scenario.rsplit("-", 1)[1]), rank, world_size, port, workdir)
-        report["ok"] = True
-    except BaseException:
-        traceback.print_exc()
-        report = {"ok": False, "traceback": traceback.format_exc()}
-    (workdir / f"rank{rank}.json").write_text(json.dumps(report))
-    return 0 if report["ok"] else 1
+def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
+    if not scenario.startswith("rank-fails-"):
+        raise ValueError(f"unknown scenario {scenario!r}")
+    return _rank_fails(int(scenario.rsplit("-", 1)[1]), rank, world_size, port, workdir)
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    # As in _dist_workers: the report is written; skip interpreter teardown, where torch's gloo
-    # threads can abort the process.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    if sys.argv[1] == "crash":
+        _crash(Path(sys.argv[2]), int(sys.argv[3]))  # runs until killed
+        sys.exit(1)
+    exit_without_teardown(run_worker(sys.argv[1:], _scenario))

@@ -9,17 +9,15 @@ opens after forward and backward). It writes the state at each call as
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
-import traceback
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _dist_workers import FUTURE_TIMEOUT_S, _init  # noqa: E402
+from _dist_workers import FUTURE_TIMEOUT_S, _init, run_worker  # noqa: E402
 
 
 def _process_bn(rank: int, world_size: int, port: int, workdir: Path) -> dict[str, Any]:
@@ -70,25 +68,11 @@ def _process_bn(rank: int, world_size: int, port: int, workdir: Path) -> dict[st
     return report
 
 
-def main(argv: list[str]) -> int:
-    scenario, rank, world_size, port, workdir = (
-        argv[0],
-        int(argv[1]),
-        int(argv[2]),
-        int(argv[3]),
-        Path(argv[4]),
-    )
-    try:
-        if scenario != "process-bn":
-            raise ValueError(f"unknown scenario {scenario!r}")
-        report = _process_bn(rank, world_size, port, workdir)
-        report["ok"] = True
-    except BaseException:
-        traceback.print_exc()
-        report = {"ok": False, "traceback": traceback.format_exc()}
-    (workdir / f"rank{rank}.json").write_text(json.dumps(report))
-    return 0 if report["ok"] else 1
+def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
+    if scenario != "process-bn":
+        raise ValueError(f"unknown scenario {scenario!r}")
+    return _process_bn(rank, world_size, port, workdir)
 
 
 if __name__ == "__main__":  # the guard also keeps DCP's spawned daemon from re-running a scenario
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_worker(sys.argv[1:], _scenario))  # normal teardown: DCP's daemon must end

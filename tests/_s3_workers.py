@@ -4,16 +4,21 @@ from ``DCP_TEST_S3_URL`` and ``DCP_TEST_S3_ENDPOINT``; credentials from the envi
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _dist_workers import FUTURE_TIMEOUT_S, _init, _mutate, _rank_state  # noqa: E402
+from _dist_workers import (  # noqa: E402
+    FUTURE_TIMEOUT_S,
+    _init,
+    _mutate,
+    _rank_state,
+    exit_without_teardown,
+    run_worker,
+)
 
 
 def _scenario_save(rank: int, world_size: int, port: int) -> dict[str, Any]:
@@ -37,22 +42,11 @@ def _scenario_save(rank: int, world_size: int, port: int) -> dict[str, Any]:
     return {}
 
 
-def main(argv: list[str]) -> int:
-    scenario, rank, world_size, port, workdir = argv[0], *map(int, argv[1:4]), Path(argv[4])
-    try:
-        if scenario != "save":
-            raise ValueError(f"unknown scenario {scenario!r}")
-        report = _scenario_save(rank, world_size, port)
-        report["ok"] = True
-    except BaseException:
-        traceback.print_exc()
-        report = {"ok": False, "traceback": traceback.format_exc()}
-    (workdir / f"rank{rank}.json").write_text(json.dumps(report))
-    return 0 if report["ok"] else 1
+def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
+    if scenario != "save":
+        raise ValueError(f"unknown scenario {scenario!r}")
+    return _scenario_save(rank, world_size, port)
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as _dist_workers: skip torch's gloo teardown at interpreter exit
+    exit_without_teardown(run_worker(sys.argv[1:], _scenario))
