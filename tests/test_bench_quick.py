@@ -59,7 +59,12 @@ EXPECTED: dict[str, tuple[set[str], set[str]]] = {
         {"blocked_s", "first_forward_s", "plain_forward_s"},
     ),
     "scaling": (
-        {"stock dcp.save t1", "stock async_save default", "ours async pool 1/1"},
+        {
+            "stock dcp.save t1",
+            "stock async_save default",
+            "ours async pool 1/1",
+            "ours async pool 1/1, first save after warm_up",
+        },
         {"blocked_s", "safe_s", "durable_s", "durable_gb_per_s"},
     ),
     "ranks": (
@@ -69,11 +74,17 @@ EXPECTED: dict[str, tuple[set[str], set[str]]] = {
 }
 TARGETS = [
     "blocked: ours async / stock async_save default",
-    "safe to mutate: ours async / stock DefaultStager staging",
+    "many tensors: ours blocked s at the largest count",
+    "many tensors: ours / stock async blocked, worst count point",
+    "first save after warm_up: safe / steady safe, worst size point",
+    "safe to mutate (host state): ours async / stock DefaultStager staging",
     "durable throughput: ours async / parallel write+fsync limit",
+    "durable throughput, worst round: ours / limit of the same round",
     "durable time: pool 1/4 / full pool",
     "cold load: ours reader / best raw read bandwidth",
     "warm load: ours reader speed / stock reader",
+    "warm load, checksums verified: ours reader / best raw warm read",
+    "object-heavy load: ours reader speed / stock reader",
     "training overhead: ours / stock async",
 ]
 
@@ -146,6 +157,7 @@ def test_summary_table_gives_every_target_a_verdict(quick_run: dict[str, Any]) -
         "### Training",
         "### Forward",
         "### Scaling",
+        "### First save",
     ):
         assert heading in summary
     assert "### Ranks" in summary and "### Targets" in summary

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import load, train
+from . import load, scaling, train
 from .common import GB, Recorder, Spread
 from .limits import write_limit_name
 from .systems import SAVE_SYSTEMS
@@ -206,6 +206,33 @@ def scaling_table(f: _Figures) -> str | None:
     return title + "\n\n" + _table(header, rows)
 
 
+def first_save_table(f: _Figures) -> str | None:
+    """Time to safe of our writer's first save, without and with ``warm_up``, against its
+    steady state (the second save), per point of the scaling scenario."""
+    rows = []
+    for r in f.rec.select("scaling", system=OURS_FULL):
+        warm = f.rec.select("scaling", system=scaling.WARM, bytes=r["bytes"], tensors=r["tensors"])
+        steady = r["figures"]["safe_s"]
+        first = (r.get("first_save") or {}).get("safe_s")
+        after = warm[0]["figures"]["safe_s"] if warm else None
+        rows.append(
+            [
+                r["axis"],
+                f"{r['bytes'] / GB:.2f}",
+                str(r["tensors"]),
+                f"{steady:.3f}",
+                "-" if first is None else f"{first:.3f} ({first / steady:.2f}x)",
+                "-" if after is None else f"{after:.3f} ({after / steady:.2f}x)",
+                "-" if not warm else f"{warm[0]['warm_up_s']:.3f}",
+            ]
+        )
+    if not rows:
+        return None
+    header = ["axis", "GB", "tensors", "steady safe s", "first save safe s (x steady)"]
+    header += ["first save after warm_up safe s (x steady)", "warm_up s"]
+    return "### First save (ours async pool 1/1, scaling scenario)\n\n" + _table(header, rows)
+
+
 def forward_table(f: _Figures) -> str | None:
     recs = f.rec.select("forward")
     if not recs:
@@ -319,6 +346,82 @@ def _cold_load(f: _Figures) -> tuple[float | None, str]:
     return _ratio_value(ours, raw, "needs load", "GB/s")
 
 
+def _durable_every_round(f: _Figures) -> tuple[float | None, str]:
+    """The worst round's ratio: ours against the write+fsync limit measured in the same round's
+    rotation (issue 11: at least 90%, steadily across rounds)."""
+    limit = next((n for n in f.systems("save") if n.startswith("raw write+fsync")), None)
+    if limit is None:
+        return None, "needs save with its write limit"
+    base = {
+        r["round"]: r["figures"]["durable_gb_per_s"] for r in f.rec.select("save", system=limit)
+    }
+    ratios = [
+        r["figures"]["durable_gb_per_s"] / base[r["round"]]
+        for r in f.rec.select("save", system=OURS_FULL)
+        if base.get(r["round"])
+    ]
+    if not ratios:
+        return None, "needs save"
+    return min(ratios), "per round: " + ", ".join(f"{x:.2f}" for x in ratios)
+
+
+def _count_points(f: _Figures) -> list[tuple[int, float, float]]:
+    """(tensors, ours blocked s, stock async blocked s) per point of the count axis."""
+    points = []
+    for r in f.rec.select("scaling", system=OURS_FULL, axis="count"):
+        stock = f.rec.select(
+            "scaling", system=STOCK_ASYNC, axis="count", bytes=r["bytes"], tensors=r["tensors"]
+        )
+        if stock:
+            points.append(
+                (r["tensors"], r["figures"]["blocked_s"], stock[0]["figures"]["blocked_s"])
+            )
+    return sorted(points)
+
+
+def _blocked_at_most_tensors(f: _Figures) -> tuple[float | None, str]:
+    points = _count_points(f)
+    if not points:
+        return None, "needs scaling"
+    n, ours, stock = points[-1]
+    return ours, f"{n} tensors: {ours * 1e3:.1f} ms (stock async {stock * 1e3:.1f} ms)"
+
+
+def _blocked_worst_count(f: _Figures) -> tuple[float | None, str]:
+    points = [(n, o, s) for n, o, s in _count_points(f) if s > 0]
+    if not points:
+        return None, "needs scaling"
+    detail = ", ".join(f"{n}: 1/{s / o:.0f}" if o > 0 else f"{n}: 0" for n, o, s in points)
+    return max(o / s for _, o, s in points), detail
+
+
+def _first_save_after_warm_up(f: _Figures) -> tuple[float | None, str]:
+    ratios = []
+    for r in f.rec.select("scaling", system=OURS_FULL, axis="size"):
+        warm = f.rec.select("scaling", system=scaling.WARM, bytes=r["bytes"], tensors=r["tensors"])
+        if warm and r["figures"]["safe_s"] > 0:
+            ratios.append((r["bytes"], warm[0]["figures"]["safe_s"] / r["figures"]["safe_s"]))
+    if not ratios:
+        return None, "needs scaling"
+    detail = ", ".join(f"{b / GB:.1f} GB: {x:.2f}x" for b, x in ratios)
+    return max(x for _, x in ratios), detail
+
+
+def _objects_load(f: _Figures) -> tuple[float | None, str]:
+    """Speed of ours against stock on the object-heavy checkpoint (stock's seconds / ours)."""
+    return _ratio_value(
+        f.spread("load", load.STOCK, "seconds", checkpoint="objects", cache="warm"),
+        f.spread("load", load.OURS, "seconds", checkpoint="objects", cache="warm"),
+        "needs load (objects)",
+    )
+
+
+def _warm_load_vs_raw(f: _Figures) -> tuple[float | None, str]:
+    raw = _best_raw(f, "gb_per_s", checkpoint="ours", cache="warm")
+    ours = f.spread("load", load.OURS, "gb_per_s", checkpoint="ours", cache="warm")
+    return _ratio_value(ours, raw, "needs load", "GB/s")
+
+
 TARGETS = [
     Target(
         "blocked: ours async / stock async_save default",
@@ -331,20 +434,46 @@ TARGETS = [
         lambda v: v <= 0.01,
     ),
     Target(
-        "safe to mutate: ours async / stock DefaultStager staging",
-        "<= 0.5",
+        "many tensors: ours blocked s at the largest count",
+        "<= 0.02",
+        _blocked_at_most_tensors,
+        lambda v: v <= 0.02,
+    ),
+    Target(
+        "many tensors: ours / stock async blocked, worst count point",
+        "<= 0.05",
+        _blocked_worst_count,
+        lambda v: v <= 0.05,
+    ),
+    Target(
+        "first save after warm_up: safe / steady safe, worst size point",
+        "<= 1.5",
+        _first_save_after_warm_up,
+        lambda v: v <= 1.5,
+    ),
+    Target(
+        # Issue 11's target for host-resident state (the first design's 0.5x is meant for states
+        # on a GPU, where stock staging is a copy to pageable memory).
+        "safe to mutate (host state): ours async / stock DefaultStager staging",
+        "<= 1.0",
         lambda f: _ratio_value(
             f.spread("save", OURS_FULL, "safe_s"),
             f.spread("save", STOCK_STAGER, "safe_s"),
             "needs save",
         ),
-        lambda v: v <= 0.5,
+        lambda v: v <= 1.0,
     ),
     Target(
         "durable throughput: ours async / parallel write+fsync limit",
-        ">= 0.8",
+        ">= 0.9",
         _durable_vs_limit,
-        lambda v: v >= 0.8,
+        lambda v: v >= 0.9,
+    ),
+    Target(
+        "durable throughput, worst round: ours / limit of the same round",
+        ">= 0.9",
+        _durable_every_round,
+        lambda v: v >= 0.9,
     ),
     Target(
         "durable time: pool 1/4 / full pool",
@@ -374,12 +503,24 @@ TARGETS = [
         lambda v: v >= 1.5,
     ),
     Target(
+        "warm load, checksums verified: ours reader / best raw warm read",
+        ">= 0.7",
+        _warm_load_vs_raw,
+        lambda v: v >= 0.7,
+    ),
+    Target(
+        "object-heavy load: ours reader speed / stock reader",
+        ">= 1.5",
+        _objects_load,
+        lambda v: v >= 1.5,
+    ),
+    Target(
         "training overhead: ours / stock async",
-        "<= 0.5",
+        "<= 0.3",
         lambda f: _ratio_value(
             _overheads(f, train.OURS), _overheads(f, train.STOCK_ASYNC), "needs train"
         ),
-        lambda v: v <= 0.5,
+        lambda v: v <= 0.3,
     ),
 ]
 
@@ -406,6 +547,7 @@ def summary(rec: Recorder) -> str:
         train_table(f),
         forward_table(f),
         scaling_table(f),
+        first_save_table(f),
         ranks_table(f),
         targets_table(f),
     ]

@@ -174,6 +174,13 @@ class OursAsync(SaveSystem):
         pool = max(1 << 20, state_bytes // denominator)
         self.writer = DataStatesWriter(root, host_pool_bytes=pool)
 
+    def warm_up(self, state: dict[str, Any]) -> float:
+        """``DataStatesWriter.warm_up`` as a user calls it at set-up, waited for here (a
+        training run's first checkpoint comes many steps later); returns its seconds."""
+        t0 = now()
+        self.writer.warm_up(state, wait=True)
+        return now() - t0
+
     def save(self, state: dict[str, Any], path: Path, **dcp_kwargs: Any) -> SaveTimes:
         t0 = now()
         resp = async_save(state, self.writer, checkpoint_id=path, **dcp_kwargs)
