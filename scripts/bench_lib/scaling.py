@@ -23,6 +23,7 @@ from .common import GB, Recorder, alternate, fresh_dir, log
 KEYS = ["stock-sync-t1", "stock-async", "ours-async-1"]
 #: Our writer's first save after ``warm_up``: a fresh writer, its pool allocated and faulted in.
 WARM = "ours async pool 1/1, first save after warm_up"
+WARM_KEY = "ours-async-1-warm"
 
 
 def run(
@@ -40,51 +41,30 @@ def run(
     log(f"scaling: sizes {[s / GB for s in sizes]} GB, counts {counts}")
     for p, (axis, nbytes, tensors) in enumerate(points):
         sd = state.build(nbytes, tensors)
-        size = state.nbytes(sd)
-        count = len(state.tensors_of(sd))
-        for key in alternate(KEYS, p):
-            system = systems.make(key, workdir / "root", size)
-            path = workdir / key
-            first = None
-            try:
-                if system.keeps_state:
-                    first = system.save(sd, path, no_dist=True).figures()
-                    shutil.rmtree(path, ignore_errors=True)
-                times = system.save(sd, path, no_dist=True)
-            finally:
-                system.close()
-                shutil.rmtree(path, ignore_errors=True)
-            rec.emit(
-                "scaling",
-                systems.SAVE_SYSTEMS[key],
-                {**times.figures(), "durable_gb_per_s": size / GB / times.durable_s},
-                first_save=first,
-                axis=axis,
-                bytes=size,
-                tensors=count,
-            )
-        _first_after_warm_up(rec, sd, workdir, axis=axis, size=size, count=count)
+        point = {"axis": axis, "bytes": state.nbytes(sd), "tensors": len(state.tensors_of(sd))}
+        for key in [*alternate(KEYS, p), WARM_KEY]:
+            _measure(rec, key, sd, workdir, point)
         del sd
         gc.collect()
 
 
-def _first_after_warm_up(
-    rec: Recorder, sd: dict, workdir: Path, *, axis: str, size: int, count: int
-) -> None:
-    system = systems.make("ours-async-1", workdir / "root", size)
-    path = workdir / "ours-warm"
+def _measure(rec: Recorder, key: str, sd: dict, workdir: Path, point: dict) -> None:
+    """One system at one point: its steady save (after a first one, for systems keeping state),
+    or for :data:`WARM_KEY` a fresh writer's first save after ``warm_up``."""
+    size = point["bytes"]
+    system = systems.make(key.removesuffix("-warm"), workdir / "root", size)
+    path = workdir / key
+    extra: dict = {}
     try:
-        warm_up_s = system.warm_up(sd)
+        if key == WARM_KEY:
+            extra["warm_up_s"] = system.warm_up(sd)
+        elif system.keeps_state:
+            extra["first_save"] = system.save(sd, path, no_dist=True).figures()
+            shutil.rmtree(path, ignore_errors=True)
         times = system.save(sd, path, no_dist=True)
     finally:
         system.close()
         shutil.rmtree(path, ignore_errors=True)
-    rec.emit(
-        "scaling",
-        WARM,
-        {**times.figures(), "durable_gb_per_s": size / GB / times.durable_s},
-        warm_up_s=warm_up_s,
-        axis=axis,
-        bytes=size,
-        tensors=count,
-    )
+    name = WARM if key == WARM_KEY else systems.SAVE_SYSTEMS[key]
+    figures = {**times.figures(), "durable_gb_per_s": size / GB / times.durable_s}
+    rec.emit("scaling", name, figures, **extra, **point)
