@@ -19,13 +19,15 @@ stock does. ``read_metadata(rank=R)`` reads ``__R.metadata`` (a save with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import io
 import logging
 import os
 import pickle
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -126,7 +128,10 @@ class DataStatesReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """``.metadata``; with ``rank=R``, ``__R.metadata`` (written by a save with
         ``use_collectives=False``; ``dcp.load`` asks for it when ``.metadata`` is missing)."""
-        rank = kwargs.get("rank")
+        with _gc_paused():
+            return self._read_metadata(kwargs.get("rank"))
+
+    def _read_metadata(self, rank: int | None) -> Metadata:
         name = metadata_name(rank)
         if not self.storage.exists(name):
             raise self._not_committed(name)
@@ -243,7 +248,8 @@ class DataStatesReader(StorageReader):
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
         self.metadata = metadata
-        self._prepare()
+        with _gc_paused():
+            self._prepare()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -254,7 +260,8 @@ class DataStatesReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         done: torch.futures.Future = torch.futures.Future()
         try:
-            self._read(plan, planner)
+            with _gc_paused():
+                self._read(plan, planner)
         except BaseException as exc:
             done.set_exception(exc)
             return done
@@ -336,6 +343,19 @@ class DataStatesReader(StorageReader):
         value = check_object_record(blob, self.storage.describe(name), req.storage_index.fqn)
         if not _set_loaded_object(planner, req, value):
             planner.load_bytes(req, io.BytesIO(blob))  # another planner: let it deserialize
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Cyclic GC off while the reader allocates per item (manifest entries, records, objects):
+    at thousands of items the full collections it triggers cost more than the work itself."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 #: Bytes a decoded tensor record may hold beyond its data (torch.save's zip entries and pickle).
