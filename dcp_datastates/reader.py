@@ -48,6 +48,7 @@ from .format import (
     manifest_name,
     metadata_name,
 )
+from .object_records import MISS, fast_load
 from .safety import check_extents, check_object_record, check_relative_path, load_metadata
 from .storage import storage_for
 
@@ -336,7 +337,9 @@ class DataStatesReader(StorageReader):
 
     def _load_bytes(self, name: str, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
         if self.trusted:
-            planner.load_bytes(req, io.BytesIO(blob))
+            value = fast_load(blob)  # plain data: no torch.load (trusted or not, same value)
+            if value is MISS or not _set_loaded_object(planner, req, value):
+                planner.load_bytes(req, io.BytesIO(blob))
             return
         # DefaultLoadPlanner.load_bytes calls torch.load(weights_only=False): load the record
         # with the weights-only unpickler first, so that a safe load never runs its globals.
