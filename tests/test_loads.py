@@ -155,7 +155,9 @@ def test_object_heavy_checkpoints_load_without_torch_load(
     assert calls == []
 
 
-def test_an_object_outside_the_plain_set_loads_when_trusted(tmp_path: Path, make_writer: Any) -> None:
+def test_an_object_outside_the_plain_set_loads_when_trusted(
+    tmp_path: Path, make_writer: Any
+) -> None:
     state = {"opaque": RunInfo("run-9"), "plain": {"k": "v"}}
     path = tmp_path / "ckpt"
     dcp.save(state, storage_writer=make_writer(path), no_dist=True)
