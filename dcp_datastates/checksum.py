@@ -59,12 +59,21 @@ def read_checked(
     buffers: Sequence[memoryview],
     *,
     verify: bool,
-    piece: int = CHECK_PIECE,
+    piece: int | None = CHECK_PIECE,
 ) -> tuple[int, int]:
     """Fill ``buffers`` in order from file offset ``at``, ``piece`` bytes per read, and return
-    ``(bytes read, crc32c of them)`` (the CRC is 0 when not ``verify``). Stops at end of file."""
-    if not verify:
-        return read_into(at, list(buffers)), 0
+    ``(bytes read, crc32c of them)`` (the CRC is 0 when not ``verify``). Stops at end of file.
+
+    ``piece=None``: one read for all the buffers, then the checksum (a remote file, where every
+    read is a request)."""
+    if not verify or piece is None:
+        got = read_into(at, list(buffers))
+        crc, left = 0, got
+        for buf in buffers if verify else ():
+            take = min(left, buf.nbytes)
+            crc = crc32c(buf[:take], value=crc)
+            left -= take
+        return got, crc
     got = crc = 0
     for buf in buffers:
         for start in range(0, buf.nbytes, piece):

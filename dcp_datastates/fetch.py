@@ -71,7 +71,8 @@ class FetchOptions:
     span_bytes: int = 16 << 20  # at most this much per coalesced read
     gap_bytes: int = 64 << 10  # neighbours at most this far apart share a read
     split_bytes: int = 32 << 20  # big records are read in regions of this size, in parallel
-    check_bytes: int = CHECK_PIECE  # a region is read and checksummed this much at a time
+    # A region is read and checksummed this much at a time; None: in one read (remote files).
+    check_bytes: int | None = CHECK_PIECE
 
 
 class Fetch:

@@ -50,7 +50,7 @@ from .format import (
 )
 from .object_records import MISS, fast_load
 from .safety import check_extents, check_object_record, check_relative_path, load_metadata
-from .storage import storage_for
+from .storage import LocalStorage, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,9 @@ class DataStatesReader(StorageReader):
         hints = getattr(self.storage, "read_hints", None)
         if hints:
             self.fetch_options = dataclasses.replace(self.fetch_options, **hints)
+        if not isinstance(self.storage, LocalStorage):
+            # A remote read is a request: read each region whole, then check it.
+            self.fetch_options = dataclasses.replace(self.fetch_options, check_bytes=None)
         self.metadata: Metadata | None = None
         self.manifest: dict[str, RecordInfo] | None = None
         self._checked: Metadata | None = None

@@ -267,3 +267,41 @@ def test_a_flipped_byte_in_an_object_or_tensor_record_is_named(
     err = failure_of(raised.value, ChecksumMismatchError)
     assert err is not None, repr(raised.value)
     assert repr(item) in str(err) and rec["relative_path"] in str(err) and "crc32c" in str(err)
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[int]:
+    """Count ``cls.read_into`` calls (the real method still runs)."""
+    calls: list[int] = []
+    real = cls.read_into
+
+    def counted(self: Any, offset: int, buffers: list[memoryview]) -> int:
+        calls.append(offset)
+        return real(self, offset, buffers)
+
+    monkeypatch.setattr(cls, "read_into", counted)
+    return calls
+
+
+def test_local_regions_are_read_in_pieces_remote_regions_in_one_request(
+    tmp_path: Path, memory_url: str, make_writer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dcp_datastates import storage
+
+    state = {"big": torch.arange(100_000.0)}  # 400 kB: 10 regions of 40,000 bytes
+    options = dataclasses.replace(SMALL_PIECES, check_bytes=8_000)
+    counts = {}
+    for where, cls in ((str(tmp_path), storage._LocalRangedFile), (memory_url, None)):
+        dcp.save(state, storage_writer=make_writer(where), no_dist=True)
+        reader = DataStatesReader(where)
+        cls = cls or type(reader.storage.open_ranged(reader.storage.list_names()[0]))
+        calls = _count_reads(monkeypatch, cls)
+        reader.fetch_options = dataclasses.replace(
+            options, check_bytes=reader.fetch_options.check_bytes and options.check_bytes
+        )
+        target = blank_like(state)
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        assert_same_state(state, target)
+        counts[where] = len(calls)
+        monkeypatch.undo()
+    assert counts[memory_url] == 10  # one request per region, head and tail included
+    assert counts[str(tmp_path)] >= 50  # 40,000-byte regions in 8,000-byte pieces, + head/tail
