@@ -12,8 +12,9 @@ Per data file, records are taken in file order:
 
 Region reads run before new records start (a priority queue), so the memory in flight stays near
 ``io_workers`` records however large the checkpoint. Each region's reader checks the CRC-32C of
-its bytes piece by piece as they land, while they are in cache (``checksum.py``); the record's
-checksum is the regions' CRCs combined in file order, compared when its last region lands.
+its bytes piece by piece as they land, while they are in cache (``checksum.py``; a remote file
+reads each region in one request and checks it after); the record's checksum is the regions'
+CRCs combined in file order, compared when its last region lands.
 
 Records of stock ``FileSystemWriter`` checkpoints carry no manifest entry: their data is found
 with :func:`~dcp_datastates.locate.locate_tensor`, and read the same way, without a checksum.
