@@ -11,8 +11,10 @@ Per data file, records are taken in file order:
   buffers of ``split_bytes``, its reads overlapping its host-to-device copies (``bounce.py``).
 
 Region reads run before new records start (a priority queue), so the memory in flight stays near
-``io_workers`` records however large the checkpoint. A record's checksum is checked when its
-last region lands, over head, data and tail in order.
+``io_workers`` records however large the checkpoint. Each region's reader checks the CRC-32C of
+its bytes piece by piece as they land, while they are in cache (``checksum.py``; a remote file
+reads each region in one request and checks it after); the record's checksum is the regions'
+CRCs combined in file order, compared when its last region lands.
 
 Records of stock ``FileSystemWriter`` checkpoints carry no manifest entry: their data is found
 with :func:`~dcp_datastates.locate.locate_tensor`, and read the same way, without a checksum.
@@ -23,9 +25,7 @@ reader's ``decode`` and then handled as any record held in memory.
 from __future__ import annotations
 
 import io
-import itertools
 import logging
-import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,9 +36,11 @@ from crc32c import crc32c
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .bounce import BounceBuffers
+from .checksum import CHECK_PIECE, crc32c_combine, read_checked
 from .errors import ChecksumMismatchError
 from .format import RecordInfo, data_start
 from .locate import NotLocatable, StockLayout, locate_stock_tensor
+from .read_pool import Runner
 from .storage import RangedFile
 
 logger = logging.getLogger(__name__)
@@ -70,59 +72,8 @@ class FetchOptions:
     span_bytes: int = 16 << 20  # at most this much per coalesced read
     gap_bytes: int = 64 << 10  # neighbours at most this far apart share a read
     split_bytes: int = 32 << 20  # big records are read in regions of this size, in parallel
-
-
-class _Runner:
-    """A pool that runs urgent jobs (region reads) before others; the first error wins."""
-
-    def __init__(self, workers: int) -> None:
-        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = (
-            queue.PriorityQueue()
-        )
-        self._order = itertools.count()
-        self._lock = threading.Condition()
-        self._pending = 0
-        self.error: BaseException | None = None
-        self._threads = [
-            threading.Thread(target=self._work, name=f"datastates-read_{i}", daemon=True)
-            for i in range(workers)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, job: Callable[[], None], *, urgent: bool) -> None:
-        with self._lock:
-            self._pending += 1
-        self._queue.put((0 if urgent else 1, next(self._order), job))
-
-    def _work(self) -> None:
-        while True:
-            job = self._queue.get()[2]
-            if job is None:
-                return
-            try:
-                if self.error is None:
-                    job()
-            except BaseException as exc:
-                with self._lock:
-                    if self.error is None:
-                        self.error = exc
-            finally:
-                with self._lock:
-                    self._pending -= 1
-                    if not self._pending:
-                        self._lock.notify_all()
-
-    def join(self) -> None:
-        """Wait for every job (and the jobs they submitted); raise the first error."""
-        with self._lock:
-            self._lock.wait_for(lambda: not self._pending)
-        for _ in self._threads:
-            self._queue.put((2, next(self._order), None))
-        for t in self._threads:
-            t.join()
-        if self.error is not None:
-            raise self.error
+    # A region is read and checksummed this much at a time; None: in one read (remote files).
+    check_bytes: int | None = CHECK_PIECE
 
 
 class Fetch:
@@ -155,7 +106,7 @@ class Fetch:
         by_file: dict[str, list[Record]] = {}
         for record in self.records:
             by_file.setdefault(record.name, []).append(record)
-        runner = _Runner(max(1, self.options.io_workers))
+        runner = Runner(max(1, self.options.io_workers))
         try:
             for name, records in by_file.items():
                 self._files[name] = self.storage.open_ranged(name)
@@ -177,7 +128,7 @@ class Fetch:
                 self.fallbacks[0],
             )
 
-    def _jobs(self, records: list[Record], runner: _Runner) -> list[Callable[[], None]]:
+    def _jobs(self, records: list[Record], runner: Runner) -> list[Callable[[], None]]:
         opts = self.options
         jobs: list[Callable[[], None]] = []
         span: list[Record] = []
@@ -242,7 +193,7 @@ class Fetch:
         self._deliver(record, layout.tensor(_as_uint8(storage)))
 
     # -- big records: regions read in parallel, straight into the target ----------------------
-    def _start_record(self, record: Record, runner: _Runner) -> None:
+    def _start_record(self, record: Record, runner: Runner) -> None:
         if record.is_bytes or record.transforms:
             self._read_span([record])
             return
@@ -282,13 +233,15 @@ class Fetch:
             at = data_at + start - (len(head) if start == 0 else 0)
             regions.append((at, bufs))
         left = [len(regions)]
+        verify = self.options.verify and record.info is not None
+        crcs: list[tuple[int, int]] = [(0, 0)] * len(regions)  # (crc32c, bytes) per region
 
         def finish() -> None:
             if record.info is not None:
                 self._check_data_offset(record, head)
-                crc = 0
-                if self.options.verify:
-                    crc = crc32c(tail, value=crc32c(data_bytes, value=crc32c(head)))
+                crc = crcs[0][0]
+                for part, nbytes in crcs[1:]:
+                    crc = crc32c_combine(crc, part, nbytes)
                 self._check(record, crc, record.info.length)
             if target is None:
                 saved = (
@@ -296,19 +249,27 @@ class Fetch:
                 )
                 self._deliver(record, saved)
 
-        def read_region(at: int, bufs: list[memoryview]) -> None:
+        def read_region(i: int, at: int, bufs: list[memoryview]) -> None:
+            # Each piece is checked right after it lands, while it is in cache.
             want = sum(b.nbytes for b in bufs)
-            got = self._files[record.name].read_into(at, bufs)
+            got, crc = read_checked(
+                self._files[record.name].read_into,
+                at,
+                bufs,
+                verify=verify,
+                piece=self.options.check_bytes,
+            )
             if got != want:
                 raise self._truncated(record)
+            crcs[i] = (crc, got)
             with self._lock:
                 left[0] -= 1
                 last = not left[0]
             if last:
                 finish()
 
-        for at, bufs in regions:
-            runner.submit(_bind(read_region, at, bufs), urgent=True)
+        for i, (at, bufs) in enumerate(regions):
+            runner.submit(_bind(read_region, i, at, bufs), urgent=True)
 
     def _fill_device(
         self, record: Record, target: torch.Tensor, data_at: int, head: Any, tail: Any

@@ -19,13 +19,15 @@ stock does. ``read_metadata(rank=R)`` reads ``__R.metadata`` (a save with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import io
 import logging
 import os
 import pickle
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,8 +48,9 @@ from .format import (
     manifest_name,
     metadata_name,
 )
+from .object_records import MISS, fast_load
 from .safety import check_extents, check_object_record, check_relative_path, load_metadata
-from .storage import storage_for
+from .storage import LocalStorage, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +107,9 @@ class DataStatesReader(StorageReader):
         hints = getattr(self.storage, "read_hints", None)
         if hints:
             self.fetch_options = dataclasses.replace(self.fetch_options, **hints)
+        if not isinstance(self.storage, LocalStorage):
+            # A remote read is a request: read each region whole, then check it.
+            self.fetch_options = dataclasses.replace(self.fetch_options, check_bytes=None)
         self.metadata: Metadata | None = None
         self.manifest: dict[str, RecordInfo] | None = None
         self._checked: Metadata | None = None
@@ -126,7 +132,10 @@ class DataStatesReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """``.metadata``; with ``rank=R``, ``__R.metadata`` (written by a save with
         ``use_collectives=False``; ``dcp.load`` asks for it when ``.metadata`` is missing)."""
-        rank = kwargs.get("rank")
+        with _gc_paused():
+            return self._read_metadata(kwargs.get("rank"))
+
+    def _read_metadata(self, rank: int | None) -> Metadata:
         name = metadata_name(rank)
         if not self.storage.exists(name):
             raise self._not_committed(name)
@@ -243,7 +252,8 @@ class DataStatesReader(StorageReader):
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
         self.metadata = metadata
-        self._prepare()
+        with _gc_paused():
+            self._prepare()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -254,7 +264,8 @@ class DataStatesReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         done: torch.futures.Future = torch.futures.Future()
         try:
-            self._read(plan, planner)
+            with _gc_paused():
+                self._read(plan, planner)
         except BaseException as exc:
             done.set_exception(exc)
             return done
@@ -329,13 +340,28 @@ class DataStatesReader(StorageReader):
 
     def _load_bytes(self, name: str, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
         if self.trusted:
-            planner.load_bytes(req, io.BytesIO(blob))
+            value = fast_load(blob)  # plain data: no torch.load (trusted or not, same value)
+            if value is MISS or not _set_loaded_object(planner, req, value):
+                planner.load_bytes(req, io.BytesIO(blob))
             return
         # DefaultLoadPlanner.load_bytes calls torch.load(weights_only=False): load the record
         # with the weights-only unpickler first, so that a safe load never runs its globals.
         value = check_object_record(blob, self.storage.describe(name), req.storage_index.fqn)
         if not _set_loaded_object(planner, req, value):
             planner.load_bytes(req, io.BytesIO(blob))  # another planner: let it deserialize
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Cyclic GC off while the reader allocates per item (manifest entries, records, objects):
+    at thousands of items the full collections it triggers cost more than the work itself."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 #: Bytes a decoded tensor record may hold beyond its data (torch.save's zip entries and pickle).

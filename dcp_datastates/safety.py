@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ._dcp_private import PRIVATE_METADATA_GLOBALS
 from .errors import ChecksumMismatchError, UnsafeCheckpointError
+from .object_records import MISS, fast_load
 from .storage import FsspecStorage, LocalStorage
 
 _HOW_TO_TRUST = (
@@ -152,7 +153,10 @@ def check_extents(
 def check_object_record(blob: bytes, where: str, fqn: str) -> Any:
     """The object in ``blob``, loaded with ``torch.load(weights_only=True)``; refuse a record
     that it rejects: DCP's planner loads object items with ``weights_only=False``, which would
-    run the pickle's globals."""
+    run the pickle's globals. Plain data skips ``torch.load`` (:mod:`.object_records`)."""
+    value = fast_load(blob)
+    if value is not MISS:
+        return value
     try:
         with torch.serialization.safe_globals([io.BytesIO]):
             return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)

@@ -48,6 +48,7 @@ FULL: dict[str, Any] = {
     "tensors": 120,
     "limit_gb": 1.0,
     "load_gb": 2.0,
+    "load_objects": 6000,
     "writers": 4,
     "saves": 2,
     "limits_rounds": 2,
@@ -78,6 +79,7 @@ QUICK: dict[str, Any] = {
     "tensors": 30,
     "limit_gb": 0.02,
     "load_gb": 0.02,
+    "load_objects": 200,
     "limits_rounds": 1,
     "rounds": 1,
     "isolate": False,
@@ -138,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--train-rounds", type=int)
     g.add_argument("--limit-gb", type=float, help="bytes per limits measurement, GB")
     g.add_argument("--load-gb", type=float, help="state size of the load scenario, GB")
+    g.add_argument(
+        "--load-objects", type=int, help="small objects of the load scenario's object state"
+    )
     g.add_argument("--writers", type=int, help="parallel writers of the write+fsync limit")
     g.add_argument("--saves", type=int, help="saves per save-worker process (the last reported)")
     g.add_argument(
@@ -222,6 +227,7 @@ def _run(args: argparse.Namespace) -> int:
                     tensors=args.tensors,
                     rounds=args.rounds,
                     cold=cold,
+                    objects=args.load_objects,
                 )
             elif scenario == "train":
                 cfg = train.TrainConfig(

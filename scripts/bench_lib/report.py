@@ -114,11 +114,13 @@ def load_table(f: _Figures) -> str | None:
     for ckpt, cache in keys:
         raw = _best_raw(f, "seconds", checkpoint=ckpt, cache=cache)
         stock = f.spread("load", load.STOCK, "seconds", checkpoint=ckpt, cache=cache)
-        for reader in (*load.RAWS, load.STOCK, load.OURS):
+        for reader in (*load.RAWS, *load.LIMITS, load.STOCK, load.OURS):
             s = f.spread("load", reader, "seconds", checkpoint=ckpt, cache=cache)
+            if s is None:
+                continue
             rows.append(
                 [
-                    f"written by {ckpt}",
+                    load.LABELS.get(ckpt, ckpt),
                     cache,
                     reader,
                     _fmt(s),

@@ -120,3 +120,52 @@ def _samples(state: Any) -> list[torch.Tensor]:
 def layout_bytes(total_bytes: float, tensors: int) -> int:
     """Bytes of the tensors ``build(total_bytes, tensors)`` makes, without making them."""
     return sum(3 * _BYTES * math.prod(shape) for _, shape in layout(total_bytes, tensors))
+
+
+def objects(count: int, *, seed: int = 0) -> dict[str, Any]:
+    """A state of ``count`` small Python objects (what training keeps beside the model: per-step
+    metrics, dataloader positions, RNG states, config strings) and a few small tensors.
+
+    Each object is one DCP item; a dict value counts as one object per key (DCP flattens dicts).
+    """
+    per_kind = max(1, count // 5)
+    metrics = {f"step_{i}": {"loss": 1.0 / (i + 1), "step": i} for i in range(per_kind // 2)}
+    loader = {f"worker_{i}": [i, 7 * i, 3, 14, seed] for i in range(per_kind)}
+    rng = {f"stream_{i}": (3, tuple(range(i % 7, i % 7 + 5)), None) for i in range(per_kind)}
+    config = {f"key_{i}": f"value {i} of the run config" for i in range(per_kind)}
+    counters = {f"counter_{i}": i * 1000 + seed for i in range(count - 4 * per_kind)}
+    return {
+        "metrics": metrics,
+        "loader": loader,
+        "rng": rng,
+        "config": config,
+        "counters": counters,
+        "weights": {f"w{i}": torch.full((64, 64), float(i + seed)) for i in range(4)},
+    }
+
+
+def blank(state: Any) -> Any:
+    """A load target with the structure of ``state``: tensors uninitialised, other values None
+    (so a load that reads nothing is caught by :func:`check_same`)."""
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state)
+    if isinstance(state, dict):
+        return {k: blank(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [blank(v) for v in state]
+    return None
+
+
+def check_same(source: Any, target: Any) -> None:
+    """Raise unless every value of ``target`` equals ``source``'s (tensors bit for bit)."""
+    if isinstance(source, torch.Tensor):
+        if not torch.equal(source, target):
+            raise AssertionError("the load benchmark read back a wrong tensor")
+    elif isinstance(source, dict):
+        for k, v in source.items():
+            check_same(v, target[k])
+    elif isinstance(source, list):
+        for s, t in zip(source, target, strict=True):
+            check_same(s, t)
+    elif source != target:
+        raise AssertionError(f"the load benchmark read back {target!r}, not {source!r}")
