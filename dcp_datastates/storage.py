@@ -15,6 +15,7 @@ from typing import Any, BinaryIO, Protocol
 import fsspec
 
 from .errors import StorageWriteError
+from .localfile import DirectFile
 
 _BUFFER = 4 << 20
 
@@ -189,9 +190,16 @@ class LocalStorage:
             os.unlink(self.describe(name))
 
     @contextlib.contextmanager
-    def open_write(self, name: str, *, sync: bool) -> Iterator[BinaryIO]:
+    def open_write(
+        self, name: str, *, sync: bool, direct: bool | None = None
+    ) -> Iterator[BinaryIO]:
+        """With ``direct`` (default: when ``sync``) the file is written with ``O_DIRECT``
+        where the file system allows it (``localfile.py``): a file that will be fsynced anyway
+        skips the page cache's copy and its writeback at ``fsync``."""
         path = self.describe(name)
-        f = open(path, "wb", buffering=_BUFFER)  # noqa: SIM115 - closed below on every path
+        f: Any = DirectFile.open(path) if (sync if direct is None else direct) else None
+        if f is None:
+            f = open(path, "wb", buffering=_BUFFER)  # noqa: SIM115 - closed below on every path
         try:
             yield f
             f.flush()
@@ -207,7 +215,7 @@ class LocalStorage:
 
     def put_atomic(self, name: str, data: bytes, *, sync: bool) -> None:
         tmp = f"{name}.tmp"
-        with self.open_write(tmp, sync=sync) as f:
+        with self.open_write(tmp, sync=sync, direct=False) as f:  # small: one page-cache write
             f.write(data)
         os.replace(self.describe(tmp), self.describe(name))
         if sync:
