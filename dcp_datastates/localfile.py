@@ -98,7 +98,10 @@ class DirectFile:
     def write(self, data: Any) -> int:
         src = memoryview(data).cast("B")
         n = src.nbytes
-        if not self._direct:
+        if not self._direct:  # what is still gathered goes first
+            if self._fill:
+                self._write_all(self._view[: self._fill])
+                self._fill = 0
             self._write_all(src)
             return n
         pos = 0
