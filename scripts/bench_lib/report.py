@@ -308,7 +308,26 @@ def _durable_vs_limit(f: _Figures) -> tuple[float | None, str]:
             if n.startswith("write+fsync") and n != write_limit_name(1)
         ]
         limit = f.spread("limits", names[0], "gb_per_s") if names else None
-    return _ratio_value(ours, limit, "needs save (and a write limit)", "GB/s")
+    value, detail = _ratio_value(ours, limit, "needs save (and a write limit)", "GB/s")
+    rounds = _per_round_vs_limit(f)
+    return value, f"{detail}; per round {rounds}" if value is not None and rounds else detail
+
+
+def _per_round_vs_limit(f: _Figures) -> str:
+    """Ours / the raw limit of the same round of the save rotation (the disk swings between
+    rounds, so the ratio of medians can hide a round that lost)."""
+    limit = {
+        r["round"]: r["figures"]["durable_gb_per_s"]
+        for n in f.systems("save")
+        if n.startswith("raw write+fsync")
+        for r in f.rec.select("save", system=n)
+    }
+    ratios = [
+        r["figures"]["durable_gb_per_s"] / limit[r["round"]]
+        for r in f.rec.select("save", system=OURS_FULL)
+        if limit.get(r["round"])
+    ]
+    return ", ".join(f"{x:.2f}" for x in ratios)
 
 
 def _cold_load(f: _Figures) -> tuple[float | None, str]:
