@@ -38,7 +38,7 @@ ENABLED = True
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _spare: list[mmap.mmap] = []  # buffers of closed files, reused by the next ones
 _spare_lock = threading.Lock()
-_MAX_SPARE = 8
+_MAX_SPARE = 4  # one per file of a rank with the default flush_workers
 
 
 def _take_buffer() -> mmap.mmap:
