@@ -3,9 +3,10 @@
     python scripts/bench_durable.py [--gb 1.5] [--rounds 3] [--variants direct:2,buffered:2]
 
 Each round runs the raw write+fsync limit (``--writers`` threads, page cache, fsync each, as in
-``bench.py save``) and one ``dcp_datastates.async_save`` per variant (``direct:N`` / ``buffered:N``:
-data files with or without ``O_DIRECT``, ``flush_workers=N``), in an order that reverses every
-round; one writer per variant is reused (its first save, untimed, fills the pool). Per save it
+``bench.py save``) and one ``dcp_datastates.async_save`` per variant, in an order that reverses
+every round: ``direct:N[:MiB]`` / ``buffered:N`` = data files with or without ``O_DIRECT``,
+``flush_workers=N``, a direct buffer of MiB (default ``localfile.DIRECT_BUFFER``). Each
+variant reuses one writer (its first save, untimed, fills the pool). Per save it
 prints the durable throughput and, per data file: wall time of the file's flush, CPU time of its
 thread (``time.thread_time``: crc32c, copies, the kernel's work inside ``write``), time waiting
 for snapshot pieces, the final ``fsync``, and the dirty page cache (machine-wide) when that
@@ -105,6 +106,7 @@ def main() -> None:
     sd = state.build(args.gb * GB, args.tensors)
     nbytes = state.nbytes(sd)
     probe = Probe()
+    default_buffer = localfile.DIRECT_BUFFER
     writers: dict[str, DataStatesWriter] = {}
     times: dict[str, list[float]] = {v: [] for v in [LIMIT, *variants]}
     print(f"{nbytes / GB:.2f} GB, {args.rounds} rounds, limit: write+fsync x{args.writers}")
@@ -117,8 +119,9 @@ def main() -> None:
                     times[v].append(s)
                     print(f"r{r} {'limit':>11} {nbytes / GB / s:5.2f} GB/s {s:6.2f} s", flush=True)
                     continue
-                mode, workers = v.split(":")
+                mode, workers, *mib = v.split(":")
                 localfile.ENABLED = mode == "direct"
+                localfile.DIRECT_BUFFER = int(mib[0]) << 20 if mib else default_buffer
                 if v not in writers:
                     writers[v] = DataStatesWriter(
                         work / f"root_{r}", host_pool_bytes=nbytes, flush_workers=int(workers)
@@ -150,11 +153,16 @@ def main() -> None:
                 shutil.rmtree(work / "ckpt")
     finally:
         localfile.ENABLED = True
+        localfile.DIRECT_BUFFER = default_buffer
         for w in writers.values():
             w.close()
         shutil.rmtree(work, ignore_errors=True)
     limit = times[LIMIT]
+    speeds = " ".join(f"{nbytes / GB / s:.2f}" for s in limit)
+    print(f"limit: GB/s per round {speeds}")
     for v in variants:
+        speeds = " ".join(f"{nbytes / GB / s:.2f}" for s in times[v])
+        print(f"{v}: GB/s per round {speeds}")
         per_round = " ".join(f"{a / b:.2f}" for a, b in zip(limit, times[v], strict=True))
         ratio = statistics.median(limit) / statistics.median(times[v])
         print(f"{v}: throughput / limit, of medians {ratio:.2f}; per round {per_round}")
