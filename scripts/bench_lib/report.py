@@ -310,7 +310,19 @@ def _durable_vs_limit(f: _Figures) -> tuple[float | None, str]:
         limit = f.spread("limits", names[0], "gb_per_s") if names else None
     value, detail = _ratio_value(ours, limit, "needs save (and a write limit)", "GB/s")
     rounds = _per_round_vs_limit(f)
-    return value, f"{detail}; per round {rounds}" if value is not None and rounds else detail
+    if value is not None and rounds:
+        detail += f"; per round {rounds}"
+    direct = next(
+        (
+            f.spread("save", n, "durable_gb_per_s")
+            for n in f.systems("save")
+            if n.startswith("raw direct write+fsync")
+        ),
+        None,
+    )
+    if value is not None and ours is not None and direct is not None and direct.median > 0:
+        detail += f"; O_DIRECT limit {direct.fmt(3)} GB/s, ours {ours.median / direct.median:.2f}x"
+    return value, detail
 
 
 def _per_round_vs_limit(f: _Figures) -> str:
