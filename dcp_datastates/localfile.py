@@ -5,7 +5,7 @@ A save writes each data file once, front to back, fsyncs it, and nobody reads it
 Through the page cache every byte costs a copy into freshly allocated cache pages (and, when
 memory is short, reclaiming other pages first), and the final ``fsync`` then waits for most of
 the file: on the 2-core VM of ``docs/benchmarks.md`` 1 GB of buffered ``write()`` took 0.2-2.6 s
-of CPU against 0.04-0.09 s with ``O_DIRECT`` from an aligned buffer, and one direct writer
+of CPU against 0.03-0.09 s with ``O_DIRECT`` from an aligned buffer, and one direct writer
 reached 1.45-1.58 GB/s against 0.21-0.78 GB/s buffered (``docs/benchmarks.md``, issue 11,
 "Durable throughput"). ``O_DIRECT`` needs the memory address, the file offset and the length
 of every write aligned to the device's block, which our records (a small head, the tensor's
