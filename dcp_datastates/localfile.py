@@ -165,12 +165,11 @@ class DirectFile:
             return
         if self._direct:
             self._drain(self._fill // ALIGN * ALIGN)
+        if self._direct:
+            self._plain()
         if self._fill:
-            if self._direct:
-                self._plain()
             self._write_all(self._view[: self._fill])
             self._fill = 0
-        self._direct = False
         self._release()
 
     def _release(self) -> None:

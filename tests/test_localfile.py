@@ -137,3 +137,14 @@ def test_a_failed_block_removes_the_direct_file_and_returns_its_buffer(tmp_path:
         raise RuntimeError("device gone")
     assert not (tmp_path / "d.bin").exists()
     assert len(localfile._spare) == max(spare_before, 1)  # its buffer came back for reuse
+
+
+def test_writes_after_flush_go_through_the_page_cache_in_order(tmp_path: Path) -> None:
+    _direct_or_skip(tmp_path / "probe")
+    head, more = os.urandom(2 * ALIGN), os.urandom(ALIGN + 3)  # an aligned end, then not
+    with LocalStorage(tmp_path).open_write("data.bin", sync=True) as f:
+        f.write(head)
+        f.flush()
+        assert not _flags(f.fileno()) & os.O_DIRECT
+        f.write(more)
+    assert (tmp_path / "data.bin").read_bytes() == head + more
