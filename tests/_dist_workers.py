@@ -288,12 +288,7 @@ def _scenario_fail(
 
     _init(rank, world_size, port)
     path = workdir / "ckpt"
-    # Two files, as when this test was written: each then holds several records and fails at its
-    # second write. With more files (the default is 4) one may hold a single record, complete at
-    # its first write, and stay behind as an uncommitted orphan, which the test would misread as
-    # a partial file left by the failing rank.
-    failing = _failing_writer_class()
-    writer = failing(path, flush_workers=2) if rank == 1 else DataStatesWriter(path)
+    writer = _failing_writer_class()(path) if rank == 1 else DataStatesWriter(path)
     state = _rank_state(world_size)
     start = time.monotonic()
     if mode == "dcp_async":
