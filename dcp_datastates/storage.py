@@ -190,14 +190,13 @@ class LocalStorage:
             os.unlink(self.describe(name))
 
     @contextlib.contextmanager
-    def open_write(
-        self, name: str, *, sync: bool, direct: bool | None = None
-    ) -> Iterator[BinaryIO]:
-        """With ``direct`` (default: when ``sync``) the file is written with ``O_DIRECT``
-        where the file system allows it (``localfile.py``): a file that will be fsynced anyway
-        skips the page cache's copy and its writeback at ``fsync``."""
+    def open_write(self, name: str, *, sync: bool) -> Iterator[BinaryIO]:
+        """With ``sync`` the file is written with ``O_DIRECT`` where the file system allows it
+        (``localfile.py``): a file that will be fsynced anyway skips the page cache's copy and
+        its writeback at ``fsync``. Same signature as the protocol's: subclasses (tests, users
+        injecting faults) override it as before, and ``put_atomic`` goes through it."""
         path = self.describe(name)
-        f: Any = DirectFile.open(path) if (sync if direct is None else direct) else None
+        f: Any = DirectFile.open(path) if sync else None
         if f is None:
             f = open(path, "wb", buffering=_BUFFER)  # noqa: SIM115 - closed below on every path
         try:
@@ -215,7 +214,7 @@ class LocalStorage:
 
     def put_atomic(self, name: str, data: bytes, *, sync: bool) -> None:
         tmp = f"{name}.tmp"
-        with self.open_write(tmp, sync=sync, direct=False) as f:  # small: one page-cache write
+        with self.open_write(tmp, sync=sync) as f:
             f.write(data)
         os.replace(self.describe(tmp), self.describe(name))
         if sync:

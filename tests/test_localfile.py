@@ -115,14 +115,19 @@ def test_a_direct_write_refused_midway_finishes_the_file_through_the_page_cache(
     assert (tmp_path / "data.bin").read_bytes() == b"".join(bytes(p) for p in pieces)
 
 
-def test_unsynced_and_small_atomic_files_stay_in_the_page_cache(tmp_path: Path) -> None:
+def test_unsynced_files_stay_in_the_page_cache_and_atomic_records_round_trip(
+    tmp_path: Path,
+) -> None:
     storage = LocalStorage(tmp_path)
     with storage.open_write("nosync.bin", sync=False) as f:
         assert not isinstance(f, DirectFile)
         f.write(b"abc")
-    storage.put_atomic("record", b"committed", sync=True)
+    storage.put_atomic("record", b"committed", sync=True)  # shorter than one aligned block
+    storage.put_atomic("big", b"m" * (3 * ALIGN + 5), sync=True)  # aligned part, then the rest
     assert (tmp_path / "nosync.bin").read_bytes() == b"abc"
     assert (tmp_path / "record").read_bytes() == b"committed"
+    assert (tmp_path / "big").read_bytes() == b"m" * (3 * ALIGN + 5)
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_a_failed_block_removes_the_direct_file_and_returns_its_buffer(tmp_path: Path) -> None:
