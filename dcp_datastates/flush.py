@@ -117,11 +117,13 @@ def flush(
     pending = [len(groups)]
     collected: list[WriteResult] = []
     errors: list[BaseException] = []
+    complete: list[str] = []
 
     def one_file(n: int, group: list[WriteItem]) -> None:
         name = f"{prefix}{n}{DATA_SUFFIX}"
         try:
             collected.extend(_flush_file(storage, name, group, session, sync=sync))
+            complete.append(name)
         except BaseException as exc:  # every error reaches the future, none dies here
             if isinstance(exc, OSError) and not isinstance(exc, DataStatesError):
                 exc = _write_error(exc, storage.describe(name), session.rank)
@@ -133,6 +135,7 @@ def flush(
                 last = pending[0] == 0
             if last:
                 if errors:
+                    _remove_complete(storage, complete)
                     result.set_exception(_first_cause(errors, session))
                 else:
                     result.set_result(collected)
@@ -142,6 +145,17 @@ def flush(
             target=one_file, args=(n, group), name=f"datastates-flush-{prefix}{n}"
         ).start()
     return result
+
+
+def _remove_complete(storage: Storage, names: list[str]) -> None:
+    """A failed save's files that were written whole are no use (nothing will commit them):
+    removed like the partial ones, so a full device gets its space back at once. With several
+    files per rank, one may finish before another fails."""
+    for name in names:
+        try:
+            storage.remove(name)
+        except Exception as exc:  # the save's own error is the one to report
+            logger.warning("could not remove %s of a failed save: %s", storage.describe(name), exc)
 
 
 def _first_cause(errors: list[BaseException], session: SnapshotSession) -> BaseException:

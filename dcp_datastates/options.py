@@ -28,7 +28,11 @@ class WriterOptions:
             them from the machine: this rank's share of the CPU cores (``os.cpu_count()``
             divided by ``LOCAL_WORLD_SIZE``), at most 4 (host memory bandwidth is saturated
             by then; ``effective_copy_workers``).
-        flush_workers: Files each rank writes in parallel (one thread per file).
+        flush_workers: Files each rank writes in parallel (one thread per file). 4 by
+            default: data files are written with ``O_DIRECT`` (``localfile.py``), where ext4 and
+            most file systems serialize the writes to one file, so the files in parallel are
+            the device's queue depth; on the benchmark VM 4 files reached 1.54-1.72 GB/s against
+            0.76-1.24 GB/s with 2 (``docs/benchmarks.md``, issue 11, "Durable throughput").
         max_pool_fraction: Cap on the automatically sized pool, as a fraction of this node's
             physical memory shared by its ranks (divided by ``LOCAL_WORLD_SIZE``).
         guard_optimizer_step: Make every ``torch.optim`` optimizer's ``step()`` wait for in-flight
@@ -59,7 +63,7 @@ class WriterOptions:
     chunk_bytes: int = 32 * MiB
     coalesce_bytes: int = 1 * MiB
     copy_workers: int | None = None
-    flush_workers: int = 2
+    flush_workers: int = 4
     max_pool_fraction: float = 0.25
     guard_optimizer_step: bool = True
     guard_forward: bool = True

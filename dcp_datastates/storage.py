@@ -15,6 +15,7 @@ from typing import Any, BinaryIO, Protocol
 import fsspec
 
 from .errors import StorageWriteError
+from .localfile import DirectFile
 
 _BUFFER = 4 << 20
 
@@ -190,8 +191,14 @@ class LocalStorage:
 
     @contextlib.contextmanager
     def open_write(self, name: str, *, sync: bool) -> Iterator[BinaryIO]:
+        """With ``sync`` the file is written with ``O_DIRECT`` where the file system allows it
+        (``localfile.py``): a file that will be fsynced anyway skips the page cache's copy and
+        its writeback at ``fsync``. Same signature as the protocol's: subclasses (tests, users
+        injecting faults) override it as before, and ``put_atomic`` goes through it."""
         path = self.describe(name)
-        f = open(path, "wb", buffering=_BUFFER)  # noqa: SIM115 - closed below on every path
+        f: Any = DirectFile.open(path) if sync else None
+        if f is None:
+            f = open(path, "wb", buffering=_BUFFER)  # noqa: SIM115 - closed below on every path
         try:
             yield f
             f.flush()

@@ -337,7 +337,38 @@ def _durable_vs_limit(f: _Figures) -> tuple[float | None, str]:
             if n.startswith("write+fsync") and n != write_limit_name(1)
         ]
         limit = f.spread("limits", names[0], "gb_per_s") if names else None
-    return _ratio_value(ours, limit, "needs save (and a write limit)", "GB/s")
+    value, detail = _ratio_value(ours, limit, "needs save (and a write limit)", "GB/s")
+    rounds = _per_round_vs_limit(f)
+    if value is not None and rounds:
+        detail += f"; per round {rounds}"
+    direct = next(
+        (
+            f.spread("save", n, "durable_gb_per_s")
+            for n in f.systems("save")
+            if n.startswith("raw direct write+fsync")
+        ),
+        None,
+    )
+    if value is not None and ours is not None and direct is not None and direct.median > 0:
+        detail += f"; O_DIRECT limit {direct.fmt(3)} GB/s, ours {ours.median / direct.median:.2f}x"
+    return value, detail
+
+
+def _per_round_vs_limit(f: _Figures) -> str:
+    """Ours / the raw limit of the same round of the save rotation (the disk swings between
+    rounds, so the ratio of medians can hide a round that lost)."""
+    limit = {
+        r["round"]: r["figures"]["durable_gb_per_s"]
+        for n in f.systems("save")
+        if n.startswith("raw write+fsync")
+        for r in f.rec.select("save", system=n)
+    }
+    ratios = [
+        r["figures"]["durable_gb_per_s"] / limit[r["round"]]
+        for r in f.rec.select("save", system=OURS_FULL)
+        if limit.get(r["round"])
+    ]
+    return ", ".join(f"{x:.2f}" for x in ratios)
 
 
 def _cold_load(f: _Figures) -> tuple[float | None, str]:

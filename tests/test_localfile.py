@@ -1,0 +1,155 @@
+"""Local data files written with ``O_DIRECT`` through an aligned buffer (``localfile.py``): the
+bytes on disk are exactly the bytes written, whatever their sizes and alignment, and a file
+system that refuses direct I/O (at open or at a write) still gets every byte."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dcp_datastates import localfile
+from dcp_datastates.localfile import ALIGN, DIRECT_BUFFER, DirectFile
+from dcp_datastates.storage import LocalStorage
+
+
+def _pieces(seed: int) -> list[Any]:
+    """What a flush writes: small ``bytes`` heads and tails around large writable memoryviews of
+    a pool (numpy), in sizes that cross the buffer's end, and an empty write."""
+    rng = random.Random(seed)
+    sizes = [7, 0, ALIGN, ALIGN - 1, DIRECT_BUFFER - 5, 300, DIRECT_BUFFER + 3, 65537, 12]
+    sizes += [rng.randrange(1, 3 << 20) for _ in range(4)]
+    pieces: list[Any] = []
+    for i, n in enumerate(sizes):
+        data = np.random.default_rng(seed + i).integers(0, 256, n, dtype=np.uint8)
+        pieces.append(memoryview(data) if i % 2 else data.tobytes())
+    return pieces
+
+
+def _flags(fd: int) -> int:
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+def _direct_or_skip(path: Path) -> None:
+    f = DirectFile.open(str(path))
+    if f is None:
+        pytest.skip(f"{path.parent} refuses O_DIRECT: the page-cache path is the one used there")
+    f.close()
+
+
+def test_a_data_file_holds_exactly_the_bytes_written_and_is_written_directly(
+    tmp_path: Path,
+) -> None:
+    _direct_or_skip(tmp_path / "probe")
+    storage = LocalStorage(tmp_path)
+    pieces = _pieces(1)
+    with storage.open_write("data.bin", sync=True) as f:
+        assert _flags(f.fileno()) & os.O_DIRECT  # the fast path is the one taken here
+        for piece in pieces:
+            assert f.write(piece) == len(memoryview(piece).cast("B"))
+
+    expected = b"".join(bytes(p) for p in pieces)
+    assert len(expected) % ALIGN  # an unaligned end: written after O_DIRECT is switched off
+    assert (tmp_path / "data.bin").read_bytes() == expected
+
+
+@pytest.mark.parametrize("total", [0, 1, ALIGN, DIRECT_BUFFER, 2 * DIRECT_BUFFER + ALIGN + 1])
+def test_files_of_edge_sizes_round_trip(tmp_path: Path, total: int) -> None:
+    data = os.urandom(total)
+    with LocalStorage(tmp_path).open_write("edge.bin", sync=True) as f:
+        f.write(memoryview(bytearray(data)))
+    assert (tmp_path / "edge.bin").read_bytes() == data
+
+
+def test_a_file_system_that_refuses_o_direct_at_open_gets_a_buffered_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = os.open
+    refused: list[str] = []
+
+    def no_direct(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_DIRECT:
+            refused.append(os.fspath(path))
+            raise OSError(errno.EINVAL, "Invalid argument", os.fspath(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(localfile.os, "open", no_direct)
+    pieces = _pieces(2)
+    with LocalStorage(tmp_path).open_write("data.bin", sync=True) as f:
+        assert not isinstance(f, DirectFile)
+        for piece in pieces:
+            f.write(piece)
+
+    assert refused == [str(tmp_path / "data.bin")]
+    assert (tmp_path / "data.bin").read_bytes() == b"".join(bytes(p) for p in pieces)
+
+
+def test_a_direct_write_refused_midway_finishes_the_file_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _direct_or_skip(tmp_path / "probe")
+    real_write = os.write
+    direct_writes: list[int] = []
+
+    def refuse_second_direct_write(fd: int, data: Any) -> int:
+        if _flags(fd) & os.O_DIRECT:
+            direct_writes.append(len(data))
+            if len(direct_writes) == 2:
+                raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(localfile.os, "write", refuse_second_direct_write)
+    pieces = _pieces(3)
+    with LocalStorage(tmp_path).open_write("data.bin", sync=True) as f:
+        for piece in pieces:
+            f.write(piece)
+        assert not _flags(f.fileno()) & os.O_DIRECT
+
+    assert len(direct_writes) == 2  # one went through directly, then none were tried
+    assert (tmp_path / "data.bin").read_bytes() == b"".join(bytes(p) for p in pieces)
+
+
+def test_unsynced_files_stay_in_the_page_cache_and_atomic_records_round_trip(
+    tmp_path: Path,
+) -> None:
+    storage = LocalStorage(tmp_path)
+    with storage.open_write("nosync.bin", sync=False) as f:
+        assert not isinstance(f, DirectFile)
+        f.write(b"abc")
+    storage.put_atomic("record", b"committed", sync=True)  # shorter than one aligned block
+    storage.put_atomic("big", b"m" * (3 * ALIGN + 5), sync=True)  # aligned part, then the rest
+    assert (tmp_path / "nosync.bin").read_bytes() == b"abc"
+    assert (tmp_path / "record").read_bytes() == b"committed"
+    assert (tmp_path / "big").read_bytes() == b"m" * (3 * ALIGN + 5)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_failed_block_removes_the_direct_file_and_returns_its_buffer(tmp_path: Path) -> None:
+    _direct_or_skip(tmp_path / "probe")
+    storage = LocalStorage(tmp_path)
+    spare_before = len(localfile._spare)
+    with (
+        pytest.raises(RuntimeError, match="device gone"),
+        storage.open_write("d.bin", sync=True) as f,
+    ):
+        f.write(os.urandom(DIRECT_BUFFER + 10))
+        raise RuntimeError("device gone")
+    assert not (tmp_path / "d.bin").exists()
+    assert len(localfile._spare) == max(spare_before, 1)  # its buffer came back for reuse
+
+
+def test_writes_after_flush_go_through_the_page_cache_in_order(tmp_path: Path) -> None:
+    _direct_or_skip(tmp_path / "probe")
+    head, more = os.urandom(2 * ALIGN), os.urandom(ALIGN + 3)  # an aligned end, then not
+    with LocalStorage(tmp_path).open_write("data.bin", sync=True) as f:
+        f.write(head)
+        f.flush()
+        assert not _flags(f.fileno()) & os.O_DIRECT
+        f.write(more)
+    assert (tmp_path / "data.bin").read_bytes() == head + more
