@@ -63,8 +63,8 @@ class DataStatesCheckpointManager(CheckpointManager):
         host_pool_bytes: int | None = None
         """Host memory for snapshots (default: sized to the rank's state, capped by RAM)."""
 
-        flush_workers: int = 2
-        """Files each rank writes in parallel."""
+        flush_workers: int | None = None
+        """Files each rank writes in parallel (default: ``DataStatesWriter``'s)."""
 
         sync_files: bool = True
         """fsync the data files and the commit record before a save reports durable."""
@@ -90,12 +90,10 @@ class DataStatesCheckpointManager(CheckpointManager):
 
     def _get_writer(self) -> DataStatesWriter:
         if self._writer is None:
-            options: dict[str, Any] = {
-                "flush_workers": self.ds_config.flush_workers,
-                "sync_files": self.ds_config.sync_files,
-            }
-            if self.ds_config.host_pool_bytes is not None:
-                options["host_pool_bytes"] = self.ds_config.host_pool_bytes
+            options: dict[str, Any] = {"sync_files": self.ds_config.sync_files}
+            for name in ("flush_workers", "host_pool_bytes"):
+                if getattr(self.ds_config, name) is not None:
+                    options[name] = getattr(self.ds_config, name)
             self._writer = DataStatesWriter(self.folder, **options)
         return self._writer
 
