@@ -56,6 +56,14 @@ CLAIM_TIMEOUT_S = 30.0
 MIN_AUTO_POOL = 16 * MiB
 
 
+def _quietly(work: Callable[[], None]) -> None:
+    """Run bookkeeping that no save depends on; a failure is logged, never raised."""
+    try:
+        work()
+    except Exception:  # noqa: BLE001 - only a cache is lost: the next stage() walks
+        logger.debug("planning-thread bookkeeping failed", exc_info=True)
+
+
 def physical_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -263,10 +271,12 @@ class SnapshotRuntime:
         rank: int,
         started: float,
         expect_claim: bool,
+        after: Callable[[], None] | None = None,
     ) -> None:
         """:meth:`stage` for a state ``stage()`` only recorded (``capture.py``): the session is
         planned on the planning thread by ``plan()`` (its items and the bytes this rank will
-        write). Host copies only. Until it is planned, the optimizer step waits as for the
+        write); ``after`` runs there next, once the session is planned and started. Host
+        copies only. Until it is planned, the optimizer step waits as for the
         copies, module forwards wait too (so the forward gate covers its buffers), and the save
         thread's claim waits; a planning failure fails the session, and so the save."""
         session = SnapshotSession(
@@ -291,6 +301,8 @@ class SnapshotRuntime:
             _forward_gate.hold(session)
         self.last_staged = session.staged
         planner.submit(self._plan_and_start, session, plan)
+        if after is not None:
+            planner.submit(_quietly, after)
 
     def _plan_and_start(
         self,
