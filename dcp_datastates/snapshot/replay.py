@@ -1,34 +1,33 @@
-"""Replaying the previous save's walk: ``stage()`` of a state dict saved before.
+"""Replaying the previous save's walk: ``stage()`` of a state dict laid out as before.
 
-A training loop saves the same state again and again: the same dicts and lists holding the same
-tensor objects, with only scalars (a step, an epoch) replaced and values updated in place. For
-such a state the per-item walk of ``capture.py`` (about a microsecond of Python per tensor, two
-more per eager copy) is mostly redundant. After a save planned from a capture, the planning
-thread records the live state's layout (:class:`_Record`: its containers, keys, and the ids and
-types of its values in order; which tensors are copied eagerly, grouped by shape and dtype) and
-allocates the buffers of the next save's eager copies. The next ``stage()`` then checks, with
-loops that run in C (``map``, ``itertools``), that the live state still has that layout, and
-records it:
+A training loop saves a state of the same layout again and again: the same keys, tensors of the
+same kinds and sizes (often the same objects, updated in place), only scalars (a step, an epoch)
+replaced. For such a state the per-item walk of ``capture.py`` (about a microsecond of Python per
+tensor, two more per eager copy) repeats the same decisions. After a save planned from a walk,
+the planning thread records the live state's layout (:class:`_Record`: its containers, their
+keys, the type of every value in order; which tensors are copied eagerly, grouped by shape and
+dtype, and the size of the others) and allocates the buffers of the next save's eager copies.
+The next ``stage()`` checks, with loops that run in C (``map``, ``itertools``, one per depth of
+the structure), that the live state still has that layout, and records it:
 
-* every container has the same type, length and keys, and holds the same objects (same id and
-  type; a scalar leaf may be replaced by another scalar, read now);
+* every container has the recorded type, length and keys, and every value the recorded type (a
+  scalar leaf may be replaced by another scalar, read now);
 * the eagerly copied tensors of each group still have its shape and dtype, and are copied by
   one ``torch.stack`` into the buffer prepared for the group (the copies are its rows);
 * every other tensor is still on the CPU with its recorded size (so it is still not one to copy
   eagerly), and its version counter is read.
 
-Anything else (a key added or removed, a tensor replaced by another object, a container
-replaced, a tensor resized or retyped) is a miss: ``capture()`` walks the state as before, and
-the planning thread records the new layout. The copy of the structure that the planning thread
-plans from is built there, from the values read here.
+These are the decisions the walk makes on each value, made on the value found now: a tensor
+replaced by another object of the same kind, or a new container (``model.state_dict()`` builds
+new dicts of new tensor objects at each call) is recorded exactly as the walk would record it.
+Anything else (a key added or removed, a value of another kind, a tensor resized, retyped or
+moved) is a miss: ``capture()`` walks the state as before, and the planning thread records the
+new layout. The structure copy that the planning thread plans from is built there, from the
+values read here. The record holds no reference to the caller's objects (a finished save holds
+none).
 
-The record holds no reference to the caller's objects (a finished save holds none). An object
-that died and a new one at its address pass the identity check; every check that decides how a
-value is recorded (type, device, size, shape, dtype) is then made on the new one, as the walk
-would.
-
-Cost at 20,000 tensors (10,005 eager) on this machine: about 8-10 ms of the caller's CPU against
-50-60 ms for the walk; the planning thread pays for building the structure copy.
+Cost at 20,000 tensors (10,005 eager, 9 MB) on this 2-core machine under load: 13-20 ms of the
+caller's CPU against 50-60 ms for the walk (``scripts/bench_scale.py counts``).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from itertools import chain, compress, count
-from operator import attrgetter, is_not, ne
+from operator import attrgetter, is_not
 from typing import Any
 
 import torch
@@ -65,17 +64,18 @@ class _Record:
     def __init__(self) -> None:
         # Containers are numbered breadth first from the top-level state dict (0); values are
         # numbered in that order, each container's in its own order. No reference to the
-        # caller's objects is kept (a finished save holds none): ids and types stand for them.
+        # caller's objects is kept (a finished save holds none).
         self.kinds: list[type] = []  # per container: dict, OrderedDict or list
         self.is_dict: list[bool] = []
         self.lens: list[int] = []
         self.parent_pos: list[int] = []  # per container: its position among the values (top: 0)
         self.keys: list[Any] = []  # keys of the dict containers, in order
         self.key_tuples: list[tuple[Any, ...] | None] = []  # per container (None: a list)
-        self.ids: list[int] = []  # per value: id() of the object the layout was learned with
         self.types: list[type] = []  # per value: its type
         self.tuples: list[int] = []  # positions of tuples of scalars (checked at every replay)
-        self.nested: set[int] = set()  # positions of containers
+        #: Containers by depth: per level, the slice of container numbers, the kinds, lengths,
+        #: the positions where the level's containers are found, and whether all are dicts.
+        self.levels: list[tuple[slice, list[type], list[int], list[int], bool]] = []
         self.small: list[int] = []  # positions of the tensors copied eagerly, by group
         self.groups: list[list[int]] = []  # positions of eager tensors of one shape and dtype
         self.group_kinds: list[tuple[torch.Size, torch.dtype]] = []
@@ -100,6 +100,7 @@ def _learn(state_dict: Mapping[Any, Any], eager_limit: int) -> _Record | None:
     conts: list[Any] = [state_dict]
     values: list[Any] = []
     rec.parent_pos.append(0)
+    depth = [0]  # per container (breadth first: never decreasing)
     i = 0
     while i < len(conts):
         c = conts[i]
@@ -123,7 +124,6 @@ def _learn(state_dict: Mapping[Any, Any], eager_limit: int) -> _Record | None:
             pos = len(values)
             values.append(value)
             kind = type(value)
-            rec.ids.append(id(value))
             rec.types.append(kind)
             if kind in _PLAIN:
                 if not value.is_cpu:
@@ -138,13 +138,29 @@ def _learn(state_dict: Mapping[Any, Any], eager_limit: int) -> _Record | None:
             elif kind in _DICTS or kind is list:
                 conts.append(value)
                 rec.parent_pos.append(pos)
-                rec.nested.add(pos)
+                depth.append(depth[i - 1] + 1)
             elif _scalar(value):
                 rec.scalars.add(pos)
                 if kind is tuple:
                     rec.tuples.append(pos)
             else:
                 return None
+    start = 1
+    while start < len(conts):
+        end = start
+        while end < len(conts) and depth[end] == depth[start]:
+            end += 1
+        level = slice(start, end)
+        rec.levels.append(
+            (
+                level,
+                rec.kinds[level],
+                rec.lens[level],
+                rec.parent_pos[level],
+                all(rec.is_dict[level]),
+            )
+        )
+        start = end
     rec.group_kinds = list(groups)
     rec.groups = list(groups.values())
     rec.small = [pos for group in rec.groups for pos in group]
@@ -186,36 +202,33 @@ class CaptureCache:
     def _replay(
         self, rec: _Record, state_dict: Mapping[str, Any], spare: list[torch.Tensor] | None
     ) -> Capture | None:
-        values: list[Any] = []
-        extend = values.extend
-        conts = []
-        c: Any = state_dict
-        parent_pos, kinds, lens = rec.parent_pos, rec.kinds, rec.lens
-        for ci in range(len(kinds)):  # a container is found at its parent's recorded position
-            if ci:
-                c = values[parent_pos[ci]]
-            kind = type(c)
-            if kind is not kinds[ci] or len(c) != lens[ci]:
+        if type(state_dict) is not rec.kinds[0] or len(state_dict) != rec.lens[0]:
+            return None
+        values: list[Any] = list(state_dict.values())
+        conts = [state_dict]
+        for _level, kinds, lens, found_at, all_dicts in rec.levels:  # loops in C, per depth
+            level = list(map(values.__getitem__, found_at))
+            if list(map(type, level)) != kinds or list(map(len, level)) != lens:
                 return None
-            conts.append(c)
-            extend(c if kind is list else c.values())
+            conts += level
+            if all_dicts:
+                values.extend(chain.from_iterable(map(dict.values, level)))
+            else:
+                values.extend(
+                    chain.from_iterable([c if type(c) is list else c.values() for c in level])
+                )
         if list(chain.from_iterable(compress(conts, rec.is_dict))) != rec.keys:
             return None
-        # The same objects as when the layout was learned: ids of live objects (each value is
-        # held by its container while we compare) and their types. A tensor that died and a
-        # new one that took its address pass: the checks below are the walk's, on the new one.
-        # Containers may be new objects (``model.state_dict()`` builds new dicts each call).
-        for now, then, differ in (
-            (list(map(id, values)), rec.ids, ne),
-            (list(map(type, values)), rec.types, is_not),
-        ):
-            if now != then:
-                for pos in compress(count(), map(differ, now, then)):
-                    if pos in rec.scalars and _scalar(values[pos]):
-                        continue  # a scalar replaced by another: read now
-                    if pos in rec.nested and differ is ne:
-                        continue  # a new container: its type and contents are checked
-                    return None  # a tensor replaced, or a value by one of another kind
+        # Values of the types recorded; the checks below are those the walk makes on each
+        # value (a tensor's type, device and size; a small one's shape and dtype), so a tensor
+        # replaced by another object of the same kind is recorded as the walk would record it
+        # (its version read now, or copied now), as is a new container
+        # (``model.state_dict()`` builds new dicts of new tensor objects at each call).
+        types = list(map(type, values))
+        if types != rec.types:
+            for pos in compress(count(), map(is_not, types, rec.types)):
+                if pos not in rec.scalars or not _scalar(values[pos]):
+                    return None  # a value replaced by one of another kind
         if not all(map(_scalar, map(values.__getitem__, rec.tuples))):
             return None  # a tuple of scalars replaced by one holding other objects
         big = list(map(values.__getitem__, rec.big))
