@@ -68,8 +68,9 @@ from .errors import InvalidStateDictError, WriterUsageError, portable
 from .format import metadata_name
 from .planner import plan_providers, provider_from_any_planner
 from .process_staging import daemon_runtime, stage_for_process
-from .snapshot.capture import Capture, capture
+from .snapshot.capture import Capture
 from .snapshot.engine import SnapshotSession
+from .snapshot.replay import CaptureCache
 from .snapshot.runtime import SnapshotRuntime
 from .stats import SaveStats
 from .storage import LocalStorage, Storage, storage_for
@@ -189,6 +190,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._finalizer = weakref.finalize(self, self._runtime.abandon)
         self._local = threading.local()
         self._process_staged: Future[None] | None = None
+        # The last layout of the state saved, replayed by the next stage() (replay.py).
+        self._captures = CaptureCache(self.options.eager_copy_bytes)
 
     # The PROCESS executor pickles the writer into a daemon: ship options, not threads or memory.
     def __getstate__(self) -> dict[str, Any]:
@@ -234,6 +237,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """
         if not self._unpickled:
             self._runtime.close(timeout)
+        self._captures.forget()
         self._finalizer.detach()
 
     @property
@@ -268,7 +272,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             return copied
         rank = _current_rank()
         stats = SaveStats(checkpoint_id="", rank=rank, pool_bytes=self._runtime.pool_capacity)
-        captured = capture(state_dict, eager_bytes=self.options.eager_copy_bytes)
+        captured = self._captures.capture(state_dict)
         if captured is not None:  # host tensors and plain values: plan on the planning thread
             stats.eager_bytes = captured.eager_bytes
             self._runtime.stage_later(
@@ -277,6 +281,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 rank=rank,
                 started=start,
                 expect_claim=call.found,
+                after=functools.partial(self._captures.learn, captured),
             )
         else:
             items = plan_providers(state_dict)
@@ -299,6 +304,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     ) -> tuple[list[tuple[Any, Any]], int]:
         """On the planning thread: the items (and the bytes this rank will write) of what
         ``stage()`` recorded."""
+        captured.resolve()
         if self._runtime.pool is None:
             # The first save: faulting the pool in (pool.py) overlaps the planning below.
             self._runtime.prepare(captured.tensor_bytes() + 64 * captured.tensors, _current_rank())

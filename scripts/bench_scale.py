@@ -5,7 +5,7 @@
     python scripts/bench_scale.py copy 0.5 1,2,4                 # safe vs DefaultStager, by workers
 
 Each prints one line per point with stock figures of the same process; nothing is asserted.
-``EAGER=0`` sets ``eager_copy_bytes=0`` for ``counts``.
+``EAGER=0`` sets ``eager_copy_bytes=0`` for ``counts``; ``ROUNDS`` its saves per system (4).
 """
 
 from __future__ import annotations
@@ -23,34 +23,69 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from bench_lib import state  # noqa: E402
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
+from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
+from torch.distributed.checkpoint.staging import (  # noqa: E402
+    AsyncStager,
+    DefaultStager,
+    StagingOptions,
+)
 
 from dcp_datastates import DataStatesWriter  # noqa: E402
 
 
+class _NoStage(FileSystemWriter, AsyncStager):
+    """Stock writer whose ``stage()`` does nothing: ``dcp.async_save``'s own blocked time."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):  # noqa: ANN001, ANN201
+        return state_dict
+
+
 def counts(arg: str) -> None:
+    """Blocked time (wall, and CPU of the caller's thread) per system, saves alternated: stock
+    default; ``dcp.async_save`` with a stager doing nothing (the floor); ours with the walk
+    forced (the record forgotten before each save: the path before the replay); ours."""
+    rounds = int(os.environ.get("ROUNDS", "4"))
     for n in [int(x) for x in arg.split(",")]:
         sd = state.build(0.1e9, n)
         d = tempfile.mkdtemp()
-        w = DataStatesWriter(d, eager_copy_bytes=int(os.environ.get("EAGER", "4096")))
-        ours, stock = [], []
-        for i in range(3):
-            t = time.perf_counter()
-            f = dcp.async_save(sd, storage_writer=w, checkpoint_id=f"{d}/o{i}", no_dist=True)
-            ours.append(time.perf_counter() - t)
-            f.result()
-            t = time.perf_counter()
-            f = dcp.async_save(sd, checkpoint_id=f"{d}/s{i}", no_dist=True)
-            stock.append(time.perf_counter() - t)
-            f.result()
-        w.close()
+        eager = int(os.environ.get("EAGER", "4096"))
+        walk = DataStatesWriter(f"{d}/walk", eager_copy_bytes=eager)
+        ours = DataStatesWriter(f"{d}/ours", eager_copy_bytes=eager)
+        names = ["stock default", "floor (no-op stage)", "ours walk", "ours replay"]
+        wall: dict[str, list[float]] = {k: [] for k in names}
+        cpu: dict[str, list[float]] = {k: [] for k in names}
+        for i in range(rounds):
+            for k in names if i % 2 == 0 else names[::-1]:
+                kwargs = {"checkpoint_id": f"{d}/{len(wall[k])}{k[:4]}", "no_dist": True}
+                if k == "floor (no-op stage)":
+                    kwargs["storage_writer"] = _NoStage(kwargs["checkpoint_id"])
+                elif k == "ours walk":
+                    walk._captures.forget()
+                    kwargs["storage_writer"] = walk
+                elif k == "ours replay":
+                    kwargs["storage_writer"] = ours
+                t, c = time.perf_counter(), time.thread_time()
+                f = dcp.async_save(sd, **kwargs)
+                wall[k].append(time.perf_counter() - t)
+                cpu[k].append(time.thread_time() - c)
+                f.result()
+                del f  # freeing a save's future (its metadata) would land in the next one's time
+                shutil.rmtree(kwargs["checkpoint_id"], ignore_errors=True)
+        assert ours._captures.replays == rounds - 1, "ours did not replay"
+        walk.close()
+        ours.close()
         shutil.rmtree(d)
-        o, s = min(ours[1:]), min(stock[1:])
-        print(
-            f"tensors {len(state.tensors_of(sd))}: ours blocked {o * 1e3:.1f} ms (first "
-            f"{ours[0] * 1e3:.1f}), stock default {s * 1e3:.1f} ms, ratio 1/{s / o:.0f}",
-            flush=True,
-        )
+        line = f"tensors {len(state.tensors_of(sd))}:"
+        for k in names:  # the first save of each is left out (pool, first layout)
+            w, c = sorted(wall[k][1:]), sorted(cpu[k][1:])
+            line += (
+                f" | {k} {w[len(w) // 2] * 1e3:.1f} ms (min {w[0] * 1e3:.1f}, cpu {c[0] * 1e3:.1f})"
+            )
+        stock, mine = sorted(wall[names[0]][1:]), sorted(wall[names[3]][1:])
+        line += f" | ratio stock/ours (medians) {stock[len(stock) // 2] / mine[len(mine) // 2]:.0f}"
+        print(line, flush=True)
 
 
 def first(gb: float, warm: bool) -> None:

@@ -23,7 +23,7 @@ serialized on the caller, as before), a key other than a string or an int
 from __future__ import annotations
 
 import gc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,12 +51,25 @@ class Capture:
         versions: ``id(tensor) -> tensor._version`` for every tensor leaf of ``state``.
         tensors: Tensor leaves recorded (eager copies included).
         eager_bytes: Bytes copied eagerly.
+        finish: Builds ``state`` and ``versions`` on the planning thread, for a capture that
+            replayed the previous save's layout (``replay.py``); ``None`` once built.
+        source: The caller's state dict, for the planning thread to record its layout.
+        replayed: Whether ``replay.py`` recorded this capture.
     """
 
     state: dict[str, Any]
     versions: dict[int, int]
     tensors: int = 0
     eager_bytes: int = 0
+    finish: Callable[[], tuple[dict[str, Any], dict[int, int]]] | None = None
+    source: Mapping[str, Any] | None = None
+    replayed: bool = False
+
+    def resolve(self) -> None:
+        """Build what a replayed capture left to the planning thread (no-op otherwise)."""
+        if self.finish is not None:
+            self.state, self.versions = self.finish()
+            self.finish = None
 
     def tensor_bytes(self) -> int:
         """Bytes of the tensors recorded (for sizing the pool before planning ends)."""

@@ -52,8 +52,19 @@ logger = logging.getLogger(__name__)
 
 #: How long a staged snapshot may wait for the save that claims it; then it is dropped.
 CLAIM_TIMEOUT_S = 30.0
+#: How long planning waits for the save thread to claim its session (it normally does within
+#: milliseconds, as ``dcp.async_save`` returns); then it plans anyway.
+CLAIM_START_WAIT_S = 0.5
 #: Smallest automatically sized pool.
 MIN_AUTO_POOL = 16 * MiB
+
+
+def _quietly(work: Callable[[], None]) -> None:
+    """Run bookkeeping that no save depends on; a failure is logged, never raised."""
+    try:
+        work()
+    except Exception:  # noqa: BLE001 - only a cache is lost: the next stage() walks
+        logger.debug("planning-thread bookkeeping failed", exc_info=True)
 
 
 def physical_memory() -> int:
@@ -118,6 +129,11 @@ class _Staged:
     token: Any  # the writer's per-save record (its stats)
     expect_claim: bool  # staged by a dcp.async_save, whose save thread will claim it
     at: float
+    claimed: threading.Event | None = None  # set when a save thread claims it (or it is dropped)
+
+    def let_go(self) -> None:
+        if self.claimed is not None:
+            self.claimed.set()
 
 
 class SnapshotRuntime:
@@ -238,13 +254,20 @@ class SnapshotRuntime:
         self._resources.scheduler.submit(session)
         self.last_staged = session.staged
 
-    def _hand_off(self, session: SnapshotSession, token: Any, expect_claim: bool) -> None:
+    def _hand_off(
+        self,
+        session: SnapshotSession,
+        token: Any,
+        expect_claim: bool,
+        claimed: threading.Event | None = None,
+    ) -> None:
         with self._changed:
             self.check_open()
             if self._unclaimed is not None and not self._changed.wait_for(
                 lambda: self._unclaimed is None, timeout=CLAIM_TIMEOUT_S
             ):
                 stale = self._unclaimed.session
+                self._unclaimed.let_go()
                 self._unclaimed = None
                 logger.warning(
                     "rank %d: a staged snapshot was never saved; dropping it", session.rank
@@ -252,7 +275,7 @@ class SnapshotRuntime:
                 self.abort(stale, self._never_claimed_error(stale.rank))
             self.check_open()
             self._unclaimed = _Staged(
-                session, threading.current_thread(), token, expect_claim, time.monotonic()
+                session, threading.current_thread(), token, expect_claim, time.monotonic(), claimed
             )
 
     def stage_later(
@@ -263,10 +286,12 @@ class SnapshotRuntime:
         rank: int,
         started: float,
         expect_claim: bool,
+        after: Callable[[], None] | None = None,
     ) -> None:
         """:meth:`stage` for a state ``stage()`` only recorded (``capture.py``): the session is
         planned on the planning thread by ``plan()`` (its items and the bytes this rank will
-        write). Host copies only. Until it is planned, the optimizer step waits as for the
+        write); ``after`` runs there next, once the session is planned and started. Host
+        copies only. Until it is planned, the optimizer step waits as for the
         copies, module forwards wait too (so the forward gate covers its buffers), and the save
         thread's claim waits; a planning failure fails the session, and so the save."""
         session = SnapshotSession(
@@ -280,8 +305,12 @@ class SnapshotRuntime:
             if self._planner is None:
                 self._planner = ThreadPoolExecutor(1, thread_name_prefix="datastates-plan")
             planner = self._planner
+        # Planning starts once the save thread claims the session, as dcp.async_save returns:
+        # started at once, it took the GIL from the caller's last milliseconds in
+        # dcp.async_save (5-15 ms of blocked time at 5,000 tensors).
+        claimed = threading.Event() if expect_claim else None
         try:
-            self._hand_off(session, token, expect_claim)
+            self._hand_off(session, token, expect_claim, claimed)
         except BaseException as exc:
             self.abort(session, exc)  # never left behind for close() to wait on
             raise
@@ -290,13 +319,18 @@ class SnapshotRuntime:
         if self.options.guard_forward:
             _forward_gate.hold(session)
         self.last_staged = session.staged
-        planner.submit(self._plan_and_start, session, plan)
+        planner.submit(self._plan_and_start, session, plan, claimed)
+        if after is not None:
+            planner.submit(_quietly, after)
 
     def _plan_and_start(
         self,
         session: SnapshotSession,
         plan: Callable[[], tuple[Sequence[tuple[WriteItem, StateProvider]], int]],
+        claimed: threading.Event | None = None,
     ) -> None:
+        if claimed is not None:
+            claimed.wait(CLAIM_START_WAIT_S)
         try:
             try:
                 items, expected_bytes = plan()
@@ -347,6 +381,7 @@ class SnapshotRuntime:
             self._unclaimed = None
             self._changed.notify_all()
             pending.session.owner = threading.current_thread()
+            pending.let_go()
         pending.session.planned.wait()  # a deferred session: here, not on the caller's thread
         return pending.session, pending.token
 
@@ -357,6 +392,7 @@ class SnapshotRuntime:
             pending, self._unclaimed = self._unclaimed, None
             self._changed.notify_all()
         if pending is not None:
+            pending.let_go()
             self.abort(pending.session, error)
 
     def start_snapshot(self, session: SnapshotSession) -> None:
