@@ -63,6 +63,17 @@ def _give_buffer(buf: mmap.mmap) -> None:
     buf.close()
 
 
+def release_spare_buffers() -> int:
+    """Unmap the buffers kept for reuse (``DataStatesWriter.close`` calls this, so a closed
+    writer leaves no direct-write memory behind); returns how many bytes were released. A file
+    opened later maps a fresh buffer."""
+    with _spare_lock:
+        spare, _spare[:] = list(_spare), []
+    for buf in spare:
+        buf.close()
+    return len(spare) * DIRECT_BUFFER
+
+
 def _address(view: memoryview) -> int | None:
     """Address of a writable buffer's first byte, or None for read-only ones (``bytes``)."""
     if view.readonly:

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from . import _dcp_private
+from . import _dcp_private, localfile
 from . import commit as _commit
 from .compat import lazy_staging_planner, stock_stage, writer_options
 from .errors import InvalidStateDictError, WriterUsageError, portable
@@ -237,6 +237,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """
         if not self._unpickled:
             self._runtime.close(timeout)
+            localfile.release_spare_buffers()
         self._captures.forget()
         self._finalizer.detach()
 

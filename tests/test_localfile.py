@@ -153,3 +153,17 @@ def test_writes_after_flush_go_through_the_page_cache_in_order(tmp_path: Path) -
         assert not _flags(f.fileno()) & os.O_DIRECT
         f.write(more)
     assert (tmp_path / "data.bin").read_bytes() == head + more
+
+
+def test_closing_a_writer_releases_the_direct_write_buffers(tmp_path: Path) -> None:
+    _direct_or_skip(tmp_path / "probe")
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter
+
+    writer = DataStatesWriter(tmp_path / "ckpt")
+    dcp.save({"w": torch.arange(3 * DIRECT_BUFFER // 8, dtype=torch.int64)}, storage_writer=writer)
+    assert localfile._spare, "a direct-written save keeps its buffers for the next one"
+    writer.close()
+    assert localfile._spare == []
