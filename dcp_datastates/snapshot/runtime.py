@@ -393,6 +393,7 @@ class SnapshotRuntime:
             prefix=prefix,
             workers=self.options.flush_workers,
             sync=self.options.sync_files,
+            nice=self.options.flush_nice,
         )
         res.track(result)
         result.add_done_callback(lambda _f: self._flush_over(session))
