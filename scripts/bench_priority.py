@@ -10,8 +10,9 @@ scenario waits for the previous save before the next). A system's overhead is th
 cycles of its block time minus the no-checkpoint block of the same cycle: systems a few seconds
 apart see the same machine load, which a shared two-core machine changes from second to second.
 
-``safe``: ``DefaultStager`` (cached, unpinned) staging against our time to safe, same process,
-one warmed writer per nice value. Nothing is asserted; figures are printed.
+``safe``: ``DefaultStager`` (cached, unpinned) staging against our time to safe (and our
+durable time), same process, one warmed writer per nice value. Nothing is asserted; figures
+are printed.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def safe(gb: float, rounds: int, nices: list[int]) -> None:
     writers = {n: DataStatesWriter(root / f"w{n}", flush_nice=n) for n in nices}
     staged: list[float] = []
     ours: dict[int, list[float]] = {n: [] for n in nices}
+    durable: dict[int, list[float]] = {n: [] for n in nices}
     try:
         for w in writers.values():
             w.warm_up(sd, wait=True)
@@ -115,6 +117,7 @@ def safe(gb: float, rounds: int, nices: list[int]) -> None:
                 dcp.async_save(sd, storage_writer=w, checkpoint_id=path, no_dist=True).result()
                 assert w.last_stats is not None and w.last_stats.safe_to_mutate_s is not None
                 ours[n].append(w.last_stats.safe_to_mutate_s)
+                durable[n].append(w.last_stats.durable_s or 0.0)
                 shutil.rmtree(path, ignore_errors=True)
     finally:
         stager.close()
@@ -126,7 +129,8 @@ def safe(gb: float, rounds: int, nices: list[int]) -> None:
     for n in nices:
         m = statistics.median(ours[n])
         runs = ", ".join(f"{x:.3f}" for x in ours[n])
-        print(f"  ours flush_nice={n}: safe {m:.3f}s ({m / s0:.2f}x) [{runs}]")
+        d = statistics.median(durable[n])
+        print(f"  ours flush_nice={n}: safe {m:.3f}s ({m / s0:.2f}x) [{runs}], durable {d:.3f}s")
 
 
 def _nices(args: list[str], at: int) -> list[int]:
