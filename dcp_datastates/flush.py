@@ -97,10 +97,12 @@ def flush(
     workers: int,
     sync: bool,
     nice: int = 0,
+    start_after: threading.Event | None = None,
 ) -> Future[list[WriteResult]]:
     """Start writing ``items``; the future holds their results, or the first error (once).
 
-    Each file gets a thread of its own, started here, at nice value ``nice`` (``priority.py``).
+    Each file gets a thread of its own, started here, at nice value ``nice`` (``priority.py``),
+    which writes once ``start_after`` (if given) is set.
     A shared, bounded pool would let saves that overlap deadlock: later saves could hold every
     thread waiting for pieces that the pool admits only after an earlier save's pieces, which
     only that save's (queued) flush would release.
@@ -124,6 +126,8 @@ def flush(
     def one_file(n: int, group: list[WriteItem]) -> None:
         name = f"{prefix}{n}{DATA_SUFFIX}"
         lower_thread_priority(nice)
+        if start_after is not None:
+            start_after.wait()
         try:
             collected.extend(_flush_file(storage, name, group, session, sync=sync))
         except BaseException as exc:  # every error reaches the future, none dies here

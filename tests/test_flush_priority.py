@@ -1,5 +1,6 @@
-"""Flush threads run at a lower CPU priority (``flush_nice``) so training threads win the cores;
-the caller's own priority is never touched."""
+"""Flush threads yield to training and to the snapshot: they run at a lower CPU priority
+(``flush_nice``), never touching the caller's, and for host state they start writing once the
+snapshot is staged, unless it needs pool space only a flush can free."""
 
 from __future__ import annotations
 
@@ -87,3 +88,46 @@ def test_flush_threads_write_at_the_configured_nice_value(
     assert _nice_of_current_thread() == base  # the caller keeps its priority
     loaded = load_like(tmp_path / "c", state, "ours")
     assert torch.equal(loaded["a"], state["a"]) and torch.equal(loaded["b"], state["b"])
+
+
+def _first_writes_after_staged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **options: int):
+    seen: list[bool] = []
+    real = flush_module._flush_file
+
+    def spy(storage, name, items, session, *, sync):  # type: ignore[no-untyped-def]
+        seen.append(session.staged.done())
+        return real(storage, name, items, session, sync=sync)
+
+    monkeypatch.setattr(flush_module, "_flush_file", spy)
+    state = {f"t{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB
+    writer = DataStatesWriter(tmp_path / "w", flush_workers=2, **options)
+    try:
+        for step in range(2):
+            path = tmp_path / f"c{step}"
+            dcp.async_save(state, storage_writer=writer, checkpoint_id=path, no_dist=True).result()
+            loaded = load_like(path, state, "ours")
+            assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    finally:
+        writer.close()
+    return seen
+
+
+def test_host_flush_starts_writing_once_the_snapshot_is_staged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = _first_writes_after_staged(tmp_path, monkeypatch)  # the pool holds the whole state
+    assert seen == [True] * 4  # 2 files per save, 2 saves
+
+
+def test_a_state_larger_than_the_pool_still_streams_through_the_held_back_flush(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = _first_writes_after_staged(
+        tmp_path,
+        monkeypatch,
+        host_pool_bytes=2 << 20,
+        chunk_bytes=512 << 10,
+        coalesce_bytes=64 << 10,
+    )
+    # The snapshot needed space only the flush frees: the flush started before it was staged.
+    assert len(seen) == 4 and not all(seen)
