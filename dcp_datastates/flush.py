@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .errors import DataStatesError, StorageWriteError
 from .format import DATA_SUFFIX, RecordInfo
 from .snapshot.engine import SnapshotSession
+from .snapshot.priority import lower_thread_priority
 from .storage import Storage, _write_error
 
 logger = logging.getLogger(__name__)
@@ -95,12 +96,16 @@ def flush(
     prefix: str,
     workers: int,
     sync: bool,
+    nice: int = 0,
+    start_after: threading.Event | None = None,
 ) -> Future[list[WriteResult]]:
     """Start writing ``items``; the future holds their results, or the first error (once).
 
-    Each file gets a thread of its own, started here. A shared, bounded pool would let saves that
-    overlap deadlock: later saves could hold every thread waiting for pieces that the pool admits
-    only after an earlier save's pieces, which only that save's (queued) flush would release.
+    Each file gets a thread of its own, started here, at nice value ``nice`` (``priority.py``),
+    which writes once ``start_after`` (if given) is set.
+    A shared, bounded pool would let saves that overlap deadlock: later saves could hold every
+    thread waiting for pieces that the pool admits only after an earlier save's pieces, which
+    only that save's (queued) flush would release.
     """
     wanted = {item.index for item in items}
     for key, slices in session.slices.items():
@@ -121,6 +126,9 @@ def flush(
 
     def one_file(n: int, group: list[WriteItem]) -> None:
         name = f"{prefix}{n}{DATA_SUFFIX}"
+        lower_thread_priority(nice)
+        if start_after is not None:
+            start_after.wait()
         try:
             collected.extend(_flush_file(storage, name, group, session, sync=sync))
             complete.append(name)

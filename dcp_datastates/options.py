@@ -33,6 +33,10 @@ class WriterOptions:
             most file systems serialize the writes to one file, so the files in parallel are
             the device's queue depth; on the benchmark VM 4 files reached 1.54-1.72 GB/s against
             0.76-1.24 GB/s with 2 (``docs/benchmarks.md``, issue 11, "Durable throughput").
+        flush_nice: Nice value (0 to 19) of the flush threads on Linux: the higher, the more
+            the training threads win the cores while a checkpoint is written in the background
+            (the flush then fills the time they leave idle). 0 keeps the caller's priority.
+            Copies into the pool keep the caller's priority: an optimizer step may wait for them.
         max_pool_fraction: Cap on the automatically sized pool, as a fraction of this node's
             physical memory shared by its ranks (divided by ``LOCAL_WORLD_SIZE``).
         guard_optimizer_step: Make every ``torch.optim`` optimizer's ``step()`` wait for in-flight
@@ -64,6 +68,7 @@ class WriterOptions:
     coalesce_bytes: int = 1 * MiB
     copy_workers: int | None = None
     flush_workers: int = 4
+    flush_nice: int = 10
     max_pool_fraction: float = 0.25
     guard_optimizer_step: bool = True
     guard_forward: bool = True
@@ -93,6 +98,7 @@ class WriterOptions:
         if self.copy_workers is not None:
             _check_int("copy_workers", self.copy_workers, low=1, high=64)
         _check_int("flush_workers", self.flush_workers, low=1, high=64)
+        _check_int("flush_nice", self.flush_nice, low=0, high=19)
         _check_int("eager_copy_bytes", self.eager_copy_bytes, low=0, high=64 * MiB)
         fraction = self.max_pool_fraction
         if (

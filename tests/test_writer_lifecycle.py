@@ -263,6 +263,8 @@ BAD_OPTIONS = [
     ("copy_workers", 2.0, "is a float"),
     ("flush_workers", 65, "between 1 and 64"),
     ("flush_workers", None, "is a NoneType"),
+    ("flush_nice", 20, "between 0 and 19"),
+    ("flush_nice", -1, "between 0 and 19"),
     ("max_pool_fraction", 0.0, "in (0, 0.9]"),
     ("max_pool_fraction", 1.5, "in (0, 0.9]"),
     ("max_pool_fraction", "0.5", "in (0, 0.9]"),

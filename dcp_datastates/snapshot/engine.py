@@ -133,6 +133,9 @@ class SnapshotSession:
         #: Set once the items are known: at once, or by :meth:`plan` for a ``deferred`` session
         #: (``stage()`` recorded the state; the planning thread plans it, ``capture.py``).
         self.planned = threading.Event()
+        #: Set once the flush of a host copy may start without slowing the snapshot: the
+        #: snapshot is staged (or aborted), or it waits for pool space only a flush can free.
+        self.flush_may_start = threading.Event()
         if deferred:
             self.device = CPU
             self.gate = None
@@ -217,6 +220,7 @@ class SnapshotSession:
 
     # -- state changes ---------------------------------------------------------------------
     def _mark_staged(self) -> None:
+        self.flush_may_start.set()
         if not self.staged.done():
             self.staged_at = time.monotonic()
             self.staged.set_result(None)
@@ -289,6 +293,7 @@ class SnapshotSession:
                     piece.finish()
             if not self.planned.is_set():
                 self._mark_staged()  # never planned: nothing will be copied from the state
+        self.flush_may_start.set()
         if self.pool is not None:
             self.pool.wake()
 
@@ -453,6 +458,7 @@ class SnapshotScheduler:
                 piece.nbytes,
                 cancelled=lambda piece=piece: session.aborted or piece.state != PENDING,
                 on_stall=self._on_stall,
+                on_full=session.flush_may_start.set,
             )
             if offset is None or not session.admit(piece, offset):
                 continue

@@ -175,9 +175,11 @@ class HostPool:
         *,
         cancelled: Callable[[], bool],
         on_stall: Callable[[], None] | None = None,
+        on_full: Callable[[], None] | None = None,
     ) -> int | None:
         """Reserve a block, waiting for space; returns its offset, or ``None`` if ``cancelled()``.
 
+        ``on_full`` runs once, before the first wait for space (a held-back flush may start);
         ``on_stall`` runs about once a second while waiting (to reap abandoned saves).
         """
         size = _align(max(nbytes, 1))
@@ -194,6 +196,14 @@ class HostPool:
                     while self._ready < offset + size:
                         self._cond.wait()
                     return offset
+                if on_full is not None:
+                    self._cond.release()
+                    try:
+                        on_full()
+                    finally:
+                        self._cond.acquire()
+                    on_full = None
+                    continue  # space may have been freed meanwhile
                 if not self._cond.wait(timeout=1.0) and on_stall is not None:
                     self._cond.release()
                     try:

@@ -429,6 +429,12 @@ class SnapshotRuntime:
             prefix=prefix,
             workers=self.options.flush_workers,
             sync=self.options.sync_files,
+            nice=self.options.flush_nice,
+            # Host copies: writes started while the snapshot copies take cores and memory
+            # bandwidth from it on a small machine, and the copy is what the caller waits for.
+            # The flush threads wait until the snapshot is staged, or needs pool space that only
+            # a flush can free (a state larger than the pool still streams).
+            start_after=session.flush_may_start if session.device.synchronous else None,
         )
         res.track(result)
         result.add_done_callback(lambda _f: self._flush_over(session))

@@ -1,0 +1,147 @@
+"""Interleaved A/B measurements of the flush threads' priority (``flush_nice``), issue 11.
+
+    python scripts/bench_priority.py train 10 [0,10]     # training overhead: cycles, nice values
+    python scripts/bench_priority.py safe 1.0 4 [0,10]   # safe vs DefaultStager: GB, rounds
+
+``train``: the train scenario's model (0.33 GB state, AdamW), run as blocks of 4 steps; each block
+starts with a checkpoint of one system (no checkpoint, stock ``dcp.async_save`` with its default
+stager, ours at each nice value), round-robin, and ends once that checkpoint is durable (as the
+scenario waits for the previous save before the next). A system's overhead is the median over
+cycles of its block time minus the no-checkpoint block of the same cycle: systems a few seconds
+apart see the same machine load, which a shared two-core machine changes from second to second.
+
+``safe``: ``DefaultStager`` (cached, unpinned) staging against our time to safe (and our
+durable time), same process, one warmed writer per nice value. Nothing is asserted; figures
+are printed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+warnings.filterwarnings("ignore")
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from bench_lib import state  # noqa: E402
+from bench_lib.systems import DEFAULT_STAGING  # noqa: E402
+from bench_lib.train import TrainConfig, _Trainee  # noqa: E402
+from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
+from torch.distributed.checkpoint.staging import DefaultStager  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
+
+from dcp_datastates import DataStatesWriter, async_save  # noqa: E402
+
+STEPS_PER_BLOCK = 4
+
+
+def _block(system: str, trainee: _Trainee, writer: DataStatesWriter | None, path: Path) -> float:
+    t0 = time.perf_counter()
+    future: Any = None
+    if system != "none":
+        msd, osd = get_state_dict(trainee.model, trainee.opt)
+        sd = {"model": msd, "optim": osd, "step": 0}
+        if writer is None:
+            future = dcp.async_save(
+                sd,
+                storage_writer=FileSystemWriter(path),
+                async_stager=DefaultStager(DEFAULT_STAGING),
+                no_dist=True,
+            )
+        else:
+            future = async_save(sd, writer, checkpoint_id=path, no_dist=True).upload_completion
+    for _ in range(STEPS_PER_BLOCK):
+        trainee.step()
+    if future is not None:
+        future.result()
+    took = time.perf_counter() - t0
+    shutil.rmtree(path, ignore_errors=True)
+    return took
+
+
+def train(cycles: int, nices: list[int]) -> None:
+    root = Path(tempfile.mkdtemp(prefix="bench_priority_"))
+    systems = ["none", "stock async_save"] + [f"ours flush_nice={n}" for n in nices]
+    writers = {
+        f"ours flush_nice={n}": DataStatesWriter(root / f"w{n}", flush_nice=n) for n in nices
+    }
+    trainee = _Trainee.make(TrainConfig())
+    blocks: dict[str, list[float]] = {s: [] for s in systems}
+    try:
+        for s in systems:  # warm-up: optimizer state, allocator, each writer's pool
+            _block(s, trainee, writers.get(s), root / "warm")
+        for c in range(cycles):
+            k = c % len(systems)
+            for s in systems[k:] + systems[:k]:
+                blocks[s].append(_block(s, trainee, writers.get(s), root / f"c{c}"))
+    finally:
+        for w in writers.values():
+            w.close()
+        shutil.rmtree(root, ignore_errors=True)
+    base = blocks["none"]
+    stock = statistics.median(a - b for a, b in zip(blocks["stock async_save"], base, strict=True))
+    print(f"{cycles} cycles of {STEPS_PER_BLOCK}-step blocks, load {os.getloadavg()[0]:.1f}")
+    for s in systems:
+        over = statistics.median(a - b for a, b in zip(blocks[s], base, strict=True))
+        ratio = f" ({over / stock:.2f}x stock)" if s != "none" and stock > 0 else ""
+        print(f"  {s:22s} block {statistics.median(blocks[s]):.3f}s overhead {over:+.3f}s{ratio}")
+
+
+def safe(gb: float, rounds: int, nices: list[int]) -> None:
+    sd = state.build(gb * 1e9, 120)
+    stager = DefaultStager(DEFAULT_STAGING)
+    stager.stage(sd)  # its cache, as in steady state
+    root = Path(tempfile.mkdtemp(prefix="bench_priority_"))
+    writers = {n: DataStatesWriter(root / f"w{n}", flush_nice=n) for n in nices}
+    staged: list[float] = []
+    ours: dict[int, list[float]] = {n: [] for n in nices}
+    durable: dict[int, list[float]] = {n: [] for n in nices}
+    try:
+        for w in writers.values():
+            w.warm_up(sd, wait=True)
+        for r in range(rounds):
+            t = time.perf_counter()
+            stager.stage(sd)
+            staged.append(time.perf_counter() - t)
+            order = list(writers.items())
+            for n, w in order if r % 2 == 0 else order[::-1]:
+                path = root / f"c{n}_{r}"
+                dcp.async_save(sd, storage_writer=w, checkpoint_id=path, no_dist=True).result()
+                assert w.last_stats is not None and w.last_stats.safe_to_mutate_s is not None
+                ours[n].append(w.last_stats.safe_to_mutate_s)
+                durable[n].append(w.last_stats.durable_s or 0.0)
+                shutil.rmtree(path, ignore_errors=True)
+    finally:
+        stager.close()
+        for w in writers.values():
+            w.close()
+        shutil.rmtree(root, ignore_errors=True)
+    s0 = statistics.median(staged)
+    print(f"{gb} GB, {rounds} rounds, load {os.getloadavg()[0]:.1f}: DefaultStager {s0:.3f}s")
+    for n in nices:
+        m = statistics.median(ours[n])
+        runs = ", ".join(f"{x:.3f}" for x in ours[n])
+        d = statistics.median(durable[n])
+        print(f"  ours flush_nice={n}: safe {m:.3f}s ({m / s0:.2f}x) [{runs}], durable {d:.3f}s")
+
+
+def _nices(args: list[str], at: int) -> list[int]:
+    return [int(x) for x in args[at].split(",")] if len(args) > at else [0, 10]
+
+
+if __name__ == "__main__":
+    argv = sys.argv
+    if len(argv) >= 3 and argv[1] == "train":
+        train(int(argv[2]), _nices(argv, 3))
+    elif len(argv) >= 4 and argv[1] == "safe":
+        safe(float(argv[2]), int(argv[3]), _nices(argv, 4))
+    else:
+        raise SystemExit(__doc__)
