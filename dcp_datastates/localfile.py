@@ -70,7 +70,10 @@ def release_spare_buffers() -> int:
     with _spare_lock:
         spare, _spare[:] = list(_spare), []
     for buf in spare:
-        buf.close()
+        try:
+            buf.close()
+        except BufferError:
+            pass  # a view of it lives on (a failed file's traceback): unmapped when that goes
     return len(spare) * DIRECT_BUFFER
 
 
