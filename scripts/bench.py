@@ -61,7 +61,7 @@ FULL: dict[str, Any] = {
     "train_seq": 32,
     "train_steps": 12,
     "train_every": 4,
-    "train_rounds": 4,
+    "train_rounds": 8,
     "forward_width": 1024,
     "forward_blocks": 8,
     "forward_batch": 64,
