@@ -17,6 +17,7 @@ everything durable (data and the file's size) as before.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -70,10 +71,9 @@ def release_spare_buffers() -> int:
     with _spare_lock:
         spare, _spare[:] = list(_spare), []
     for buf in spare:
-        try:
+        # A view of it may live on (a failed file's traceback): then it is unmapped when that goes.
+        with contextlib.suppress(BufferError):
             buf.close()
-        except BufferError:
-            pass  # a view of it lives on (a failed file's traceback): unmapped when that goes
     return len(spare) * DIRECT_BUFFER
 
 

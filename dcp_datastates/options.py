@@ -52,6 +52,13 @@ class WriterOptions:
             or where a copy is not on a GPU, the step waits on the host.
         sync_files: ``fsync`` every data file (once) and the commit record before a save is
             reported durable. Turning it off trades crash safety for speed.
+        direct_writes: Write local data files with ``O_DIRECT`` where the file system allows it
+            (``localfile.py``): no page-cache copy, so less CPU and a short ``fsync``. Then a
+            pool block is free again only once its bytes reach the disk, so with a pool
+            smaller than the state the snapshot (time to safe) follows the disk; ``False``
+            writes through the page cache, which frees blocks at memory speed and holds the
+            dirty bytes until ``fsync`` (``docs/benchmarks.md``, issue 11). Only with
+            ``sync_files``; object stores ignore it.
         overwrite: Allow saving into a directory that already holds a committed checkpoint. The old
             commit record is removed before any data is written, so a crash mid-overwrite leaves an
             uncommitted directory, never a checkpoint that mixes old and new data.
@@ -75,6 +82,7 @@ class WriterOptions:
     eager_copy_bytes: int = 4096
     guard_on_device: bool = True
     sync_files: bool = True
+    direct_writes: bool = True
     overwrite: bool = True
     # Not hashed (a dict is not hashable; the PROCESS daemon keys its runtimes by options), but
     # compared: options that differ only here are still different options.
@@ -117,6 +125,7 @@ class WriterOptions:
             "guard_forward",
             "guard_on_device",
             "sync_files",
+            "direct_writes",
             "overwrite",
         ):
             value = getattr(self, name)

@@ -164,7 +164,8 @@ def _fsync_dir(path: str) -> None:
 class LocalStorage:
     """A directory on a local (or locally mounted) file system."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, *, direct: bool = True) -> None:
+        self.direct = direct  # O_DIRECT for files that are fsynced (see open_write)
         path = os.fspath(root)
         if path.startswith("file://"):
             path = path[len("file://") :]
@@ -196,7 +197,7 @@ class LocalStorage:
         its writeback at ``fsync``. Same signature as the protocol's: subclasses (tests, users
         injecting faults) override it as before, and ``put_atomic`` goes through it."""
         path = self.describe(name)
-        f: Any = DirectFile.open(path) if sync else None
+        f: Any = DirectFile.open(path) if sync and self.direct else None
         if f is None:
             f = open(path, "wb", buffering=_BUFFER)  # noqa: SIM115 - closed below on every path
         try:
@@ -338,14 +339,18 @@ class FsspecStorage:
 
 
 def storage_for(
-    path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None
+    path: str | os.PathLike,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    direct: bool = True,
 ) -> Storage:
-    """Local paths (and ``file://``) take the fast path; ``s3://`` gets :class:`S3Storage`
-    (streaming multipart uploads, retries, commit without rename); any other URL goes through
-    fsspec. ``storage_options`` go to the fsspec file system."""
+    """Local paths (and ``file://``) take the fast path (``direct``: fsynced files with
+    ``O_DIRECT`` where allowed); ``s3://`` gets :class:`S3Storage` (streaming multipart uploads,
+    retries, commit without rename); any other URL goes through fsspec. ``storage_options`` go
+    to the fsspec file system."""
     text = os.fspath(path)
     if "://" not in text or text.startswith("file://"):
-        return LocalStorage(text)
+        return LocalStorage(text, direct=direct)
     if text.startswith(("s3://", "s3a://")):
         from .storage_s3 import S3Storage  # s3fs is an extra: imported only for s3 URLs
 

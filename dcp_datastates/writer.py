@@ -105,9 +105,10 @@ def _refuse_file_target(path: str | os.PathLike) -> None:
 class _Save:
     """Per-save state, held thread-locally on the thread DCP runs the save on."""
 
-    def __init__(self, path: str, storage_options: Any = None) -> None:
+    def __init__(self, path: str, storage_options: Any = None, *, direct: bool = True) -> None:
         self.path = path
         self.storage_options = storage_options
+        self.direct = direct
         self.rank = _current_rank()
         self.is_coordinator = True
         self.use_collectives = True
@@ -125,7 +126,7 @@ class _Save:
 
     @functools.cached_property
     def storage(self) -> Storage:
-        return storage_for(self.path, self.storage_options)
+        return storage_for(self.path, self.storage_options, direct=self.direct)
 
 
 @_dcp_private.no_synchronize_after_execute
@@ -377,7 +378,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         claimed = self._runtime.claim()
         if claimed is None:
             self._runtime.check_open()  # a closed writer finishes staged saves, starts none
-        save = self._local.save = _Save(path, self.options.storage_options)
+        save = self._local.save = _Save(
+            path, self.options.storage_options, direct=self.options.direct_writes
+        )
         if claimed is not None:
             session, stats = claimed
             save.session, save.stats, save.started = session, stats, session.created

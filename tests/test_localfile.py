@@ -167,3 +167,32 @@ def test_closing_a_writer_releases_the_direct_write_buffers(tmp_path: Path) -> N
     assert localfile._spare, "a direct-written save keeps its buffers for the next one"
     writer.close()
     assert localfile._spare == []
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_direct_writes_option_decides_how_data_files_are_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    _direct_or_skip(tmp_path / "probe")
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesReader, DataStatesWriter
+
+    opened: list[str] = []
+    real_open = DirectFile.open.__func__
+
+    def counting_open(cls: type, path: str) -> DirectFile | None:
+        opened.append(path)
+        return real_open(cls, path)
+
+    monkeypatch.setattr(DirectFile, "open", classmethod(counting_open))
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    writer = DataStatesWriter(tmp_path / "ckpt", direct_writes=direct)
+    dcp.save(state, storage_writer=writer)
+    writer.close()
+    data_files = [p for p in opened if p.endswith(".distcp")]
+    assert bool(data_files) is direct, opened
+    back = {"w": torch.zeros(1 << 20)}
+    dcp.load(back, storage_reader=DataStatesReader(tmp_path / "ckpt"))
+    assert torch.equal(back["w"], state["w"])
