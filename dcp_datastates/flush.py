@@ -101,8 +101,10 @@ def flush(
 ) -> Future[list[WriteResult]]:
     """Start writing ``items``; the future holds their results, or the first error (once).
 
-    Each file gets a thread of its own, started here, at nice value ``nice`` (``priority.py``),
-    which writes once ``start_after`` (if given) is set.
+    Each file gets a thread of its own, started here, which writes once ``start_after`` (if
+    given) is set. It drops to nice value ``nice`` (``priority.py``) once the snapshot is staged:
+    before that, with a pool smaller than the state, the snapshot (the caller's time to safe)
+    waits for the space this flush frees, and a niced flush would hold it back.
     A shared, bounded pool would let saves that overlap deadlock: later saves could hold every
     thread waiting for pieces that the pool admits only after an earlier save's pieces, which
     only that save's (queued) flush would release.
@@ -126,7 +128,14 @@ def flush(
 
     def one_file(n: int, group: list[WriteItem]) -> None:
         name = f"{prefix}{n}{DATA_SUFFIX}"
-        lower_thread_priority(nice)
+        tid, running = threading.get_native_id(), [True]
+
+        def yield_cores(_: object) -> None:
+            with lock:  # never renice a thread id this thread left behind (ids are reused)
+                if running[0]:
+                    lower_thread_priority(nice, tid)
+
+        session.staged.add_done_callback(yield_cores)
         if start_after is not None:
             start_after.wait()
         try:
@@ -139,6 +148,7 @@ def flush(
             session.abort(exc)
         finally:
             with lock:
+                running[0] = False
                 pending[0] -= 1
                 last = pending[0] == 0
             if last:

@@ -67,9 +67,11 @@ def test_flush_threads_write_at_the_configured_nice_value(
     observed: list[tuple[str, int]] = []
     real = flush_module.lower_thread_priority
 
-    def spy(value: int) -> bool:
-        ok = real(value)
-        observed.append((threading.current_thread().name, _nice_of_current_thread()))
+    def spy(value: int, tid: int | None = None) -> bool:
+        ok = real(value, tid)
+        tid = threading.get_native_id() if tid is None else tid
+        name = next(t.name for t in threading.enumerate() if t.native_id == tid)
+        observed.append((name, os.getpriority(os.PRIO_PROCESS, tid)))
         return ok
 
     monkeypatch.setattr(flush_module, "lower_thread_priority", spy)
@@ -131,3 +133,54 @@ def test_a_state_larger_than_the_pool_still_streams_through_the_held_back_flush(
     )
     # The snapshot needed space only the flush frees: the flush started before it was staged.
     assert len(seen) == 4 and not all(seen)
+
+
+@linux_only
+def test_a_flush_the_snapshot_waits_for_keeps_its_priority_until_the_snapshot_is_staged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a pool smaller than the state the snapshot waits for the space the flush frees: a
+    niced flush would hold back the caller's time to safe. Its threads drop to ``flush_nice``
+    only once the snapshot is staged."""
+    base = _nice_of_current_thread()
+    writes: list[tuple[bool, int]] = []  # (staged yet, nice of the writing thread)
+    real_flush_file = flush_module._flush_file
+
+    def watching(storage, name, group, session, *, sync):  # noqa: ANN001, ANN202
+        class Watch:
+            def __init__(self, inner: object) -> None:
+                self.inner = inner
+
+            def __getattr__(self, attr: str) -> object:
+                return getattr(self.inner, attr)
+
+            def wait(self, slice_):  # noqa: ANN001, ANN202
+                data = self.inner.wait(slice_)
+                writes.append((self.inner.staged.done(), _nice_of_current_thread()))
+                return data
+
+        return real_flush_file(storage, name, group, Watch(session), sync=sync)
+
+    monkeypatch.setattr(flush_module, "_flush_file", watching)
+    state = {f"t{i}": torch.full((256, 1024), float(i)) for i in range(8)}  # 8 MiB
+    writer = DataStatesWriter(
+        tmp_path / "w",
+        flush_nice=9,
+        flush_workers=2,
+        host_pool_bytes=2 << 20,
+        chunk_bytes=512 << 10,
+        coalesce_bytes=64 << 10,
+    )
+    try:
+        dcp.async_save(
+            state, storage_writer=writer, checkpoint_id=tmp_path / "c", no_dist=True
+        ).result()
+    finally:
+        writer.close()
+    before = [nice for staged, nice in writes if not staged]
+    after = [nice for staged, nice in writes if staged]
+    assert before, "the flush should have written while the snapshot still needed space"
+    assert set(before) == {base}, writes
+    assert after and set(after) == {max(base, 9)}, writes
+    back = load_like(tmp_path / "c", state, "ours")
+    assert all(torch.equal(back[k], v) for k, v in state.items())

@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 _warned = False
 
 
-def lower_thread_priority(nice: int) -> bool:
-    """Raise the calling thread's nice value to at least ``nice`` (0 leaves it alone).
+def lower_thread_priority(nice: int, tid: int | None = None) -> bool:
+    """Raise the nice value of thread ``tid`` (a native id of this process; default: the
+    calling thread) to at least ``nice`` (0 leaves it alone).
 
     Returns True when the thread now runs at that nice value or lower priority; False where
     per-thread priorities are not available (non-Linux) or the kernel refused (logged once).
@@ -33,7 +34,7 @@ def lower_thread_priority(nice: int) -> bool:
         return True
     if not sys.platform.startswith("linux") or not hasattr(os, "setpriority"):
         return False
-    tid = threading.get_native_id()
+    tid = threading.get_native_id() if tid is None else tid
     try:
         # On Linux PRIO_PROCESS with a thread id sets that thread's nice value alone.
         if os.getpriority(os.PRIO_PROCESS, tid) < nice:
