@@ -33,9 +33,11 @@ class WriterOptions:
             most file systems serialize the writes to one file, so the files in parallel are
             the device's queue depth; on the benchmark VM 4 files reached 1.54-1.72 GB/s against
             0.76-1.24 GB/s with 2 (``docs/benchmarks.md``, issue 11, "Durable throughput").
-        flush_nice: Nice value (0 to 19) of the flush threads on Linux: the higher, the more
-            the training threads win the cores while a checkpoint is written in the background
-            (the flush then fills the time they leave idle). 0 keeps the caller's priority.
+        flush_nice: Nice value (0 to 19) the flush threads drop to on Linux once the snapshot
+            is staged (before, a pool smaller than the state makes the snapshot wait for the
+            space they free): the higher, the more the training threads win the cores while a
+            checkpoint is written in the background (the flush then fills the time they leave
+            idle). 0 keeps the caller's priority.
             Copies into the pool keep the caller's priority: an optimizer step may wait for them.
         max_pool_fraction: Cap on the automatically sized pool, as a fraction of this node's
             physical memory shared by its ranks (divided by ``LOCAL_WORLD_SIZE``).
