@@ -23,6 +23,17 @@ linux_only = pytest.mark.skipif(
 )
 
 
+def _save_once(state: dict, tmp_path: Path, **options: object) -> None:
+    """One dcp.async_save to ``tmp_path / "c"`` through a writer made for it, closed after."""
+    writer = DataStatesWriter(tmp_path / "w", **options)
+    try:
+        dcp.async_save(
+            state, storage_writer=writer, checkpoint_id=tmp_path / "c", no_dist=True
+        ).result()
+    finally:
+        writer.close()
+
+
 def _nice_of_current_thread() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
@@ -76,13 +87,7 @@ def test_flush_threads_write_at_the_configured_nice_value(
 
     monkeypatch.setattr(flush_module, "lower_thread_priority", spy)
     state = {"a": torch.randn(64, 1024), "b": torch.arange(100_000, dtype=torch.int64)}
-    writer = DataStatesWriter(tmp_path / "w", flush_nice=nice, flush_workers=2)
-    try:
-        dcp.async_save(
-            state, storage_writer=writer, checkpoint_id=tmp_path / "c", no_dist=True
-        ).result()
-    finally:
-        writer.close()
+    _save_once(state, tmp_path, flush_nice=nice, flush_workers=2)
     assert len(observed) == 2, observed  # one thread per data file
     for name, value in observed:
         assert name.startswith("datastates-flush-")
@@ -163,20 +168,15 @@ def test_a_flush_the_snapshot_waits_for_keeps_its_priority_until_the_snapshot_is
 
     monkeypatch.setattr(flush_module, "_flush_file", watching)
     state = {f"t{i}": torch.full((256, 1024), float(i)) for i in range(8)}  # 8 MiB
-    writer = DataStatesWriter(
-        tmp_path / "w",
+    _save_once(
+        state,
+        tmp_path,
         flush_nice=9,
         flush_workers=2,
         host_pool_bytes=2 << 20,
         chunk_bytes=512 << 10,
         coalesce_bytes=64 << 10,
     )
-    try:
-        dcp.async_save(
-            state, storage_writer=writer, checkpoint_id=tmp_path / "c", no_dist=True
-        ).result()
-    finally:
-        writer.close()
     before = [nice for staged, nice in writes if not staged]
     after = [nice for staged, nice in writes if staged]
     assert before, "the flush should have written while the snapshot still needed space"

@@ -33,8 +33,9 @@ from dcp_datastates.format import MANIFEST_NAME
 from dcp_datastates.object_records import MISS, fast_load
 
 #: Many regions per big record, many checked pieces per region, sizes that do not divide.
-SMALL_PIECES = FetchOptions(io_workers=3, coalesce_bytes=0, span_bytes=0, split_bytes=40_000)
-SMALL_PIECES = dataclasses.replace(SMALL_PIECES, check_bytes=3_001)
+SMALL_PIECES = FetchOptions(
+    io_workers=3, coalesce_bytes=0, span_bytes=0, split_bytes=40_000, check_bytes=3_001
+)
 
 
 @dataclasses.dataclass

@@ -126,7 +126,6 @@ def _tensor_state(
     for r in range(rounds):
         for ckpt in alternate(list(ckpts), r):
             files = sorted(ckpts[ckpt].glob("*.distcp"))
-            file_bytes = sum(f.stat().st_size for f in files)
             for cache in ("cold", "warm"):
                 names = [RAW1, RAW4, STOCK, OURS] + ([RAW4_CRC] if cache == "warm" else [])
                 for name in alternate(names, r):
@@ -144,18 +143,25 @@ def _tensor_state(
                         dcp.load(target, storage_reader=reader, no_dist=True)
                         seconds = now() - t0
                         state.check_loaded(sd, target)
-                    rec.emit(
-                        "load",
-                        name,
-                        {"seconds": seconds, "gb_per_s": file_bytes / GB / seconds},
-                        checkpoint=ckpt,
-                        cache=cache if cache == "warm" or dropped else "cold (cache not dropped)",
-                        bytes=size,
-                        file_bytes=file_bytes,
-                        files=len(files),
-                        tensors=len(state.tensors_of(sd)),
-                        round=r,
-                    )
+                    label = cache if cache == "warm" or dropped else "cold (cache not dropped)"
+                    _emit(rec, name, seconds, sd, files, checkpoint=ckpt, cache=label, round=r)
+
+
+def _emit(
+    rec: Recorder, name: str, seconds: float, sd: dict, files: list[Path], **fields: Any
+) -> None:
+    """One load's JSON line: its time, the bandwidth over the files read, the state's sizes."""
+    file_bytes = sum(f.stat().st_size for f in files)
+    rec.emit(
+        "load",
+        name,
+        {"seconds": seconds, "gb_per_s": file_bytes / GB / seconds},
+        bytes=state.nbytes(sd),
+        file_bytes=file_bytes,
+        files=len(files),
+        tensors=len(state.tensors_of(sd)),
+        **fields,
+    )
 
 
 def _object_state(rec: Recorder, workdir: Path, *, count: int, rounds: int) -> None:
@@ -166,7 +172,6 @@ def _object_state(rec: Recorder, workdir: Path, *, count: int, rounds: int) -> N
     for r in range(rounds):
         for ckpt in alternate(list(ckpts), r):
             files = sorted(ckpts[ckpt].glob("*.distcp"))
-            file_bytes = sum(f.stat().st_size for f in files)
             for name in alternate([STOCK, OURS], r):
                 target = state.blank(sd)
                 reader = READERS[name](ckpts[ckpt])
@@ -178,16 +183,14 @@ def _object_state(rec: Recorder, workdir: Path, *, count: int, rounds: int) -> N
                 dcp.load(target, storage_reader=reader, no_dist=True)
                 seconds = now() - t0
                 state.check_same(sd, target)
-                rec.emit(
-                    "load",
+                _emit(
+                    rec,
                     name,
-                    {"seconds": seconds, "gb_per_s": file_bytes / GB / seconds},
+                    seconds,
+                    sd,
+                    files,
                     checkpoint=ckpt,
                     cache="warm",
-                    bytes=state.nbytes(sd),
-                    file_bytes=file_bytes,
-                    files=len(files),
-                    tensors=len(state.tensors_of(sd)),
                     objects=count,
                     round=r,
                 )
