@@ -61,7 +61,8 @@ FULL: dict[str, Any] = {
     "train_seq": 32,
     "train_steps": 12,
     "train_every": 4,
-    "train_rounds": 8,
+    "train_rounds": 1,
+    "train_cycles": 16,
     "forward_width": 1024,
     "forward_blocks": 8,
     "forward_batch": 64,
@@ -91,6 +92,7 @@ QUICK: dict[str, Any] = {
     "train_steps": 5,
     "train_every": 2,
     "train_rounds": 1,
+    "train_cycles": 2,
     "forward_width": 64,
     "forward_blocks": 2,
     "forward_batch": 16,
@@ -137,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tensors", type=int, help="tensors in the save/load state")
     g.add_argument("--rounds", type=int, help="rounds of save, load and ranks")
     g.add_argument("--limits-rounds", type=int)
-    g.add_argument("--train-rounds", type=int)
+    g.add_argument("--train-rounds", type=int, help="full training runs per system (the picture)")
     g.add_argument("--limit-gb", type=float, help="bytes per limits measurement, GB")
     g.add_argument("--load-gb", type=float, help="state size of the load scenario, GB")
     g.add_argument(
@@ -158,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=["yes", "no"],
         help="drop the page cache before cold reads (needs root)",
     )
-    for name in ("width", "layers", "vocab", "seq", "steps", "every"):
+    for name in ("width", "layers", "vocab", "seq", "steps", "every", "cycles"):
         g.add_argument(f"--train-{name}", type=int)
     for name in ("width", "blocks", "batch", "saves"):
         g.add_argument(f"--forward-{name}", type=int)
@@ -237,6 +239,7 @@ def _run(args: argparse.Namespace) -> int:
                     seq=args.train_seq,
                     steps=args.train_steps,
                     every=args.train_every,
+                    cycles=args.train_cycles,
                 )
                 runs = train.run(rec, workdir=args.dir, cfg=cfg, rounds=args.train_rounds)
             elif scenario == "forward":

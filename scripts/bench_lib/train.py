@@ -1,12 +1,19 @@
 """The training-loop scenario: a small transformer trained on CPU, a checkpoint every K steps.
 
 One model and optimizer are trained on through every run (a step costs the same whatever the
-weights), so runs are short and many: each system runs N timed steps and checkpoints after every
-K-th step (not after the last one); an async system waits for its previous save before starting
-the next, as TorchTitan does. The overhead of a system is its wall time for the N steps minus that
-of the run without checkpoints in the same round; waiting for the last save to become durable is
-reported apart (``drain_s``). Systems alternate and reverse order between rounds, and medians over
-rounds are reported, because other work on a shared machine can slow any single run several-fold.
+weights), so runs are short and many. Two parts:
+
+- Full runs (for the timeline picture and the blocked/drain figures): each system runs N timed
+  steps and checkpoints after every K-th step (not after the last one); an async system waits
+  for its previous save before starting the next, as TorchTitan does.
+- Paired blocks (for the overhead): a block is one checkpoint, K steps, and the wait until that
+  checkpoint is durable. Each cycle runs one block per system, round-robin; a checkpoint's
+  overhead is its block minus the no-checkpoint block of the same cycle, median over cycles. A
+  no-checkpoint run's spread between rounds on a shared two-core machine is larger than the
+  overhead of two checkpoints; neighbouring blocks a second apart see the same load.
+
+Each block also splits the process's CPU between the training's threads and the checkpoint's,
+and reads the machine's idle CPU: report.py turns these into a lower bound of the overhead.
 
 The stock async run calls ``dcp.async_save`` with the stager DCP builds by default
 (``DefaultStager`` with every option off) passed explicitly, and a ``FileSystemWriter`` that only
@@ -15,7 +22,10 @@ adds timestamps, so its flush and commit can be drawn; it behaves as the plain d
 
 from __future__ import annotations
 
+import os
 import shutil
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +46,9 @@ STOCK_SYNC = "stock dcp.save"
 STOCK_ASYNC = "stock async_save"
 OURS = "ours async_save"
 SYSTEMS = [NONE, STOCK_SYNC, STOCK_ASYNC, OURS]
+#: Systems of the paired blocks: the target's two and the baseline (stock dcp.save blocks for a
+#: second and says nothing the full runs do not; leaving it out buys a third more cycles).
+BLOCK_SYSTEMS = [NONE, STOCK_ASYNC, OURS]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +60,8 @@ class TrainConfig:
     seq: Tokens per sequence.
     batch: Sequences per step.
     steps: Timed steps per run.
-    every: Checkpoint after every ``every``-th step.
+    every: Checkpoint after every ``every``-th step; also the steps of a paired block.
+    cycles: Cycles of paired blocks (one block per system in ``BLOCK_SYSTEMS`` each).
     """
 
     width: int = 512
@@ -57,9 +71,10 @@ class TrainConfig:
     batch: int = 2
     steps: int = 12
     every: int = 4
+    cycles: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("width", "layers", "vocab", "seq", "batch", "steps", "every"):
+        for name in ("width", "layers", "vocab", "seq", "batch", "steps", "every", "cycles"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train {name} must be at least 1, got {getattr(self, name)}")
 
@@ -210,10 +225,122 @@ def run_one(
     return out
 
 
+# -- CPU accounting of a block ------------------------------------------------------------------
+def _training_tids() -> set[int]:
+    """The threads that train: the main thread and the native threads Python does not know
+    (torch's OpenMP pool). Every other Python thread belongs to a checkpoint (ours: the
+    ``datastates-*`` threads; stock: its executor), so its CPU is the checkpoint's."""
+    main = threading.main_thread()
+    python = {t.native_id for t in threading.enumerate() if t is not main}
+    return {int(t) for t in os.listdir("/proc/self/task")} - python
+
+
+def _task_times_s(tid: int) -> tuple[float, float]:
+    """(CPU seconds run, seconds spent runnable but waiting for a core) of thread ``tid``, from
+    schedstat (nanoseconds; /proc stat ticks are 10 ms, too coarse for 1 s blocks). Zeros for a
+    thread that has gone."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            run, wait = f.read().split()[:2]
+        return int(run) / 1e9, int(wait) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
+
+
+def _machine_idle_s() -> float:
+    """Idle (and I/O-wait) CPU seconds of the whole machine since boot, all cores together."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class _Clocks:
+    wall: float
+    process: float  # every thread of this process, ended ones included
+    training: float
+    training_wait: float  # the training threads' time runnable but off a core
+    idle: float
+
+    @classmethod
+    def read(cls, tids: set[int]) -> _Clocks:
+        times = [_task_times_s(t) for t in tids]
+        return cls(
+            now(),
+            time.process_time(),
+            sum(run for run, _ in times),
+            sum(wait for _, wait in times),
+            _machine_idle_s(),
+        )
+
+
+def cpu_supported() -> bool:
+    return os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat")
+
+
+@dataclass
+class Block:
+    """One paired block: the checkpoint (none for the baseline), ``every`` steps, and the wait
+    until that checkpoint is durable, as the next checkpoint of a loop would wait for it.
+
+    CPU seconds over the block: ``checkpoint_cpu_s`` is what every thread but the training's
+    used, plus the save call on the caller; ``training_cpu_s`` the rest of the process;
+    ``machine_idle_s`` what no process on the machine used; ``training_wait_s`` how long the
+    training threads were ready to run but had no core (the checkpoint's, or other jobs')."""
+
+    system: str
+    cycle: int
+    block_s: float
+    blocked_s: float = 0.0
+    checkpoint_cpu_s: float = 0.0
+    training_cpu_s: float = 0.0
+    machine_idle_s: float = 0.0
+    training_wait_s: float = 0.0
+
+
+def run_block(
+    system: str, cycle: int, cfg: TrainConfig, trainee: _Trainee, root: Path, writer: Any
+) -> Block:
+    saver = None if system == NONE else _Saver(system, root, PhaseLog(), writer)
+    tids = _training_tids()
+    c0 = _Clocks.read(tids)
+    blocked = call_cpu = 0.0
+    if saver is not None:
+        t0, cpu0 = now(), time.thread_time()
+        saver.save(cycle, trainee.model, trainee.opt)
+        blocked, call_cpu = now() - t0, time.thread_time() - cpu0
+    for _ in range(cfg.every):
+        trainee.step()
+    if saver is not None:
+        saver.wait_previous(cycle)
+    c1 = _Clocks.read(tids)
+    training = c1.training - c0.training - call_cpu
+    shutil.rmtree(root / f"step_{cycle}", ignore_errors=True)
+    return Block(
+        system,
+        cycle,
+        c1.wall - c0.wall,
+        blocked,
+        checkpoint_cpu_s=c1.process - c0.process - training,
+        training_cpu_s=training,
+        machine_idle_s=c1.idle - c0.idle,
+        training_wait_s=c1.training_wait - c0.training_wait,
+    )
+
+
+def _cycle_order(systems: list[str], cycle: int) -> list[str]:
+    """Round-robin: each cycle starts one system later, so every system follows every other
+    one and none always runs first after the previous cycle's drain."""
+    k = cycle % len(systems)
+    return systems[k:] + systems[:k]
+
+
 def run(rec: Recorder, *, workdir: Path, cfg: TrainConfig, rounds: int) -> dict[str, Run]:
-    """Returns each system's median run (by total time), for the timeline."""
+    """Full runs for the picture and the blocked/drain figures (``rounds`` of each system),
+    then ``cfg.cycles`` cycles of paired blocks for the overheads. Returns each system's median
+    full run (by total time), for the timeline."""
     workdir = fresh_dir(workdir / "train")
-    log(f"train: {cfg}, {rounds} rounds")
+    log(f"train: {cfg}, {rounds} rounds, {cfg.cycles} cycles of paired blocks")
     trainee = _Trainee.make(cfg)
     writer = TimedDataStatesWriter(workdir / "ours", PhaseLog())
     try:
@@ -227,9 +354,36 @@ def run(rec: Recorder, *, workdir: Path, cfg: TrainConfig, rounds: int) -> dict[
                 result = run_one(system, cfg, trainee, workdir, writer)
                 runs[system].append(result)
                 _emit(rec, result, cfg, r)
+        blocks = fresh_dir(workdir / "blocks")
+        cpu = cpu_supported()
+        for c in range(cfg.cycles):
+            for system in _cycle_order(BLOCK_SYSTEMS, c):
+                _emit_block(rec, run_block(system, c, cfg, trainee, blocks, writer), cfg, cpu)
     finally:
         writer.close()
     return {s: sorted(rs, key=lambda x: x.total_s)[(len(rs) - 1) // 2] for s, rs in runs.items()}
+
+
+def _emit_block(rec: Recorder, b: Block, cfg: TrainConfig, cpu: bool) -> None:
+    # CPU figures can be 0 (an idle machine, no checkpoint): fields, not (positive) figures.
+    extra: dict[str, Any] = {}
+    if cpu:
+        extra["cpu"] = {
+            "checkpoint_s": round(b.checkpoint_cpu_s, 5),
+            "training_s": round(b.training_cpu_s, 5),
+            "machine_idle_s": round(b.machine_idle_s, 5),
+            "training_wait_s": round(b.training_wait_s, 5),
+        }
+    rec.emit(
+        "train_block",
+        b.system,
+        {"block_s": b.block_s},
+        blocked_s=b.blocked_s,
+        cycle=b.cycle,
+        steps=cfg.every,
+        cores=len(os.sched_getaffinity(0)),
+        **extra,
+    )
 
 
 def _emit(rec: Recorder, result: Run, cfg: TrainConfig, r: int) -> None:
