@@ -62,7 +62,7 @@ FULL: dict[str, Any] = {
     "train_steps": 12,
     "train_every": 4,
     "train_rounds": 1,
-    "train_cycles": 16,
+    "train_cycles": 20,
     "forward_width": 1024,
     "forward_blocks": 8,
     "forward_batch": 64,

@@ -206,6 +206,25 @@ def test_training_target_reports_its_measured_limit(quick_run: dict[str, Any]) -
     assert "lower bound s" in summary and "No-checkpoint block:" in summary
 
 
+def test_a_missed_target_is_limited_only_where_its_measured_limit_misses_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from bench_lib import report
+
+    def target(limit: float | None) -> report.Target:
+        return report.Target(
+            "t", "<= 0.3", lambda f: (0.5, "m"), lambda v: v <= 0.3, lambda f: (limit, "why")
+        )
+
+    assert report._verdict(target(0.4), None, 0.2, "m") == ("met", "m")
+    assert report._verdict(target(0.4), None, 0.5, "m")[0] == "limited"
+    assert report._verdict(target(0.1), None, 0.5, "m")[0] == "MISSED"
+    assert report._verdict(target(None), None, 0.5, "m")[0] == "MISSED"
+    plain = report.Target("t", "<= 0.3", lambda f: (0.5, "m"), lambda v: v <= 0.3)
+    assert report._verdict(plain, None, 0.5, "m") == ("MISSED", "m")
+
+
 def test_timeline_png_is_a_valid_png(quick_run: dict[str, Any]) -> None:
     png = quick_run["out"] / "timeline.png"
     data = png.read_bytes()

@@ -71,7 +71,7 @@ class TrainConfig:
     batch: int = 2
     steps: int = 12
     every: int = 4
-    cycles: int = 16
+    cycles: int = 20
 
     def __post_init__(self) -> None:
         for name in ("width", "layers", "vocab", "seq", "batch", "steps", "every", "cycles"):
