@@ -9,7 +9,7 @@ Scenarios: limits (disk, memory), save, load, train (with the timeline PNG), for
 loop with an EMA hook: what protecting forward-updated buffers costs), scaling, ranks (two gloo
 ranks). Every measurement is printed as one JSON line on stdout (and appended to
 OUT/results.jsonl); the summary tables, with ratios against the stock baselines and the targets
-met or missed, come last (and go to OUT/summary.md). Progress goes to stderr.
+met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to stderr.
 See docs/benchmarks.md for what each figure means.
 """
 

@@ -8,13 +8,14 @@ save scenario does (that first save, with the pool's allocation, is in ``first_s
 Size axis: one save per system and point (blocked times there are tenths of seconds for stock
 against milliseconds for ours: one save tells them apart).
 
-Count axis: the blocked times compared are milliseconds, where one save is noise (7 ms against
-2 ms for two saves of ours at the same point), so each system saves several times
-(:data:`COUNT_SAVES`), systems alternating, one record per save; the report takes medians. The
-:data:`systems.FLOOR` system runs here too: ``dcp.async_save`` with a stager that copies nothing,
-the least any stager can block for. A system stops repeating once its saves at the point have
-taken ``repeat_s`` seconds (it always saves once): at 20,000 tensors one stock save takes 8 s,
-and its blocked time is a second, far from any line.
+Count axis: the blocked times compared are milliseconds, where one save is noise (in one run at
+99 tensors ours blocked 7 ms, and a fresh writer of ours after warm-up 2 ms), so each system
+saves several times (:data:`COUNT_SAVES`), systems alternating, one record per save; the report
+takes medians. The :data:`systems.FLOOR` system runs here too: ``dcp.async_save`` with a stager
+that copies nothing, the least any stager can block for. A system stops repeating once its saves
+at the point have taken ``repeat_s`` seconds (it always saves once): at 20,000 tensors a save of
+stock, of the floor or of ours takes 7-8 s on the 2-core machine, so by default each saves once
+there (a larger ``--scale-repeat-s`` buys repeats at that cost).
 
 Our writer also runs once more per point as a user who calls ``DataStatesWriter.warm_up`` at
 set-up would: warm-up (timed, waited for), then one save, recorded as :data:`WARM` -- issue 11's
