@@ -139,6 +139,13 @@ def test_verified_warm_load_is_held_against_the_checksummed_raw_read(
     )
 
 
+@pytest.mark.parametrize(
+    ("blocked", "share"), [(1.0, "1/20"), (0.0, "0"), (15.0, "0.75x"), (40.0, "2.00x")]
+)
+def test_count_point_share_reads_1_over_n_or_a_multiple(blocked: float, share: str) -> None:
+    assert report.CountPoint(99, 1.0, 20.0, None).share(blocked) == share
+
+
 def test_targets_table_and_scaling_table_show_the_verdict_and_the_floor(rec: Recorder) -> None:
     _count_point(rec, 99, ours=[7, 3, 3], stock=[18, 19, 20], floor=[1.2, 1.0, 1.1])
     table = report.targets_table(report._Figures(rec), [_target(WORST_COUNT)])

@@ -481,8 +481,13 @@ class CountPoint:
     floor: float | None
 
     def share(self, blocked: float) -> str:
-        """``blocked`` as a share of stock's, written 1/N."""
-        return f"1/{self.stock / blocked:.0f}" if blocked > 0 else "0"
+        """``blocked`` as a share of stock's: 1/N, or a multiple where that would round N to
+        1 or 0 (tiny states, where stock's copy is as quick as the call)."""
+        if blocked <= 0:
+            return "0"
+        if self.stock / blocked < 1.5:
+            return f"{blocked / self.stock:.2f}x"
+        return f"1/{self.stock / blocked:.0f}"
 
 
 def _count_points(f: _Figures) -> list[CountPoint]:
