@@ -56,6 +56,42 @@ def _take_buffer() -> mmap.mmap:
     return mmap.mmap(-1, DIRECT_BUFFER)  # anonymous: page aligned
 
 
+#: ``MADV_POPULATE_WRITE`` (Linux 5.14+; the mmap module does not export it).
+_MADV_POPULATE_WRITE = 23
+
+
+def _faulted_in(buf: mmap.mmap) -> mmap.mmap:
+    """``buf`` with every page faulted in, so its first ``memmove`` takes no page fault."""
+    try:
+        buf.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError):  # an older kernel: touch the pages instead
+        ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, len(buf))
+    return buf
+
+
+def prepare_buffers(count: int) -> int:
+    """Keep ``count`` (at most one per file a rank writes at once) buffers mapped and faulted in
+    for the next files, so that a first save does not pay for them: in a fresh process the 4
+    buffers took 33,000 page faults inside the first save, on the cores the snapshot's copies
+    need (one A/B at 2 GB on the benchmark VM, under load: 0.34 s to safe against 0.24 s with
+    the buffers prepared). ``DataStatesWriter.warm_up`` calls it; returns how many buffers
+    were made."""
+    if not (_O_DIRECT and ENABLED):
+        return 0
+    made = 0
+    with _spare_lock:
+        missing = min(count, _MAX_SPARE) - len(_spare)
+    for _ in range(max(0, missing)):
+        buf = _faulted_in(mmap.mmap(-1, DIRECT_BUFFER))
+        with _spare_lock:
+            if len(_spare) >= _MAX_SPARE:
+                buf.close()
+                break
+            _spare.append(buf)
+            made += 1
+    return made
+
+
 def _give_buffer(buf: mmap.mmap) -> None:
     with _spare_lock:
         if len(_spare) < _MAX_SPARE:
@@ -203,4 +239,4 @@ class DirectFile:
             os.close(fd)
 
 
-__all__ = ["ALIGN", "DIRECT_BUFFER", "DirectFile"]
+__all__ = ["ALIGN", "DIRECT_BUFFER", "DirectFile", "prepare_buffers"]

@@ -338,6 +338,12 @@ class FsspecStorage:
             return []
 
 
+def is_local(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a local directory (a plain path or ``file://``), not a URL."""
+    text = os.fspath(path)
+    return "://" not in text or text.startswith("file://")
+
+
 def storage_for(
     path: str | os.PathLike,
     storage_options: Mapping[str, Any] | None = None,
@@ -349,7 +355,7 @@ def storage_for(
     retries, commit without rename); any other URL goes through fsspec. ``storage_options`` go
     to the fsspec file system."""
     text = os.fspath(path)
-    if "://" not in text or text.startswith("file://"):
+    if is_local(text):
         return LocalStorage(text, direct=direct)
     if text.startswith(("s3://", "s3a://")):
         from .storage_s3 import S3Storage  # s3fs is an extra: imported only for s3 URLs
@@ -363,6 +369,7 @@ __all__ = [
     "LocalStorage",
     "RangedFile",
     "Storage",
+    "is_local",
     "storage_for",
     "_write_error",
 ]

@@ -73,7 +73,7 @@ from .snapshot.engine import SnapshotSession
 from .snapshot.replay import CaptureCache
 from .snapshot.runtime import SnapshotRuntime
 from .stats import SaveStats
-from .storage import LocalStorage, Storage, storage_for
+from .storage import LocalStorage, Storage, is_local, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -318,10 +318,16 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         background thread, so that the first save runs as fast as the next ones (a fresh pool's
         first touch costs about a second per GB). Optional: the first save otherwise starts the
         same work itself, overlapped with its planning and copies. ``wait``: return only once
-        the whole pool is faulted in. No effect once a save has sized the pool."""
+        the whole pool is faulted in. No effect on the pool once a save has sized it.
+
+        For a local checkpoint written with ``direct_writes``, the flush's aligned buffers (one
+        per file, 32 MiB each) are mapped and faulted in here too, on the calling thread."""
         tensors = _tensors_of(state_dict)
         nbytes = sum(t.numel() * t.element_size() for t in tensors) + 64 * len(tensors)
         pool = self._runtime.prepare(nbytes, _current_rank())
+        opts = self.options
+        if opts.direct_writes and opts.sync_files and is_local(self.path):
+            localfile.prepare_buffers(opts.flush_workers)
         if wait:
             pool.wait_populated()
 

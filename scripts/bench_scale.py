@@ -23,23 +23,10 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from bench_lib import state  # noqa: E402
-from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
-from torch.distributed.checkpoint.staging import (  # noqa: E402
-    AsyncStager,
-    DefaultStager,
-    StagingOptions,
-)
+from bench_lib.systems import NoStageWriter  # noqa: E402
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 
 from dcp_datastates import DataStatesWriter  # noqa: E402
-
-
-class _NoStage(FileSystemWriter, AsyncStager):
-    """Stock writer whose ``stage()`` does nothing: ``dcp.async_save``'s own blocked time."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict):  # noqa: ANN001, ANN201
-        return state_dict
 
 
 def counts(arg: str) -> None:
@@ -60,7 +47,7 @@ def counts(arg: str) -> None:
             for k in names if i % 2 == 0 else names[::-1]:
                 kwargs = {"checkpoint_id": f"{d}/{len(wall[k])}{k[:4]}", "no_dist": True}
                 if k == "floor (no-op stage)":
-                    kwargs["storage_writer"] = _NoStage(kwargs["checkpoint_id"])
+                    kwargs["storage_writer"] = NoStageWriter(kwargs["checkpoint_id"])
                 elif k == "ours walk":
                     walk._captures.forget()
                     kwargs["storage_writer"] = walk

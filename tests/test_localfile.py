@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 import random
 from pathlib import Path
@@ -196,3 +197,55 @@ def test_direct_writes_option_decides_how_data_files_are_opened(
     back = {"w": torch.zeros(1 << 20)}
     dcp.load(back, storage_reader=DataStatesReader(tmp_path / "ckpt"))
     assert torch.equal(back["w"], state["w"])
+
+
+def _resident_pages(buf: Any) -> int:
+    """Pages of ``buf`` that are in memory (``mincore``), to see that it was faulted in."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = (len(buf) + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(len(buf)), vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+def test_warm_up_maps_and_faults_in_one_direct_buffer_per_flush_file(tmp_path: Path) -> None:
+    _direct_or_skip(tmp_path / "probe")
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter
+
+    localfile.release_spare_buffers()
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    writer = DataStatesWriter(tmp_path / "ckpt", flush_workers=3)
+    writer.warm_up(state, wait=True)
+    prepared = list(localfile._spare)
+    assert len(prepared) == 3
+    for buf in prepared:  # every page is in memory already: the first save takes no fault
+        assert _resident_pages(buf) == DIRECT_BUFFER // mmap.PAGESIZE
+    dcp.save(state, storage_writer=writer, checkpoint_id=tmp_path / "ckpt")
+    assert {id(b) for b in localfile._spare} <= {id(b) for b in prepared}  # reused, none new
+    writer.close()
+    assert localfile._spare == []
+
+
+def test_warm_up_prepares_no_direct_buffer_where_files_are_not_written_directly(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    from dcp_datastates import DataStatesWriter
+
+    localfile.release_spare_buffers()
+    state = {"w": torch.zeros(16)}
+    for writer in (
+        DataStatesWriter(tmp_path / "a", direct_writes=False),
+        DataStatesWriter(tmp_path / "b", sync_files=False),
+        DataStatesWriter("memory://warm-up-no-direct"),
+    ):
+        writer.warm_up(state, wait=True)
+        assert localfile._spare == [], writer.path
+        writer.close()

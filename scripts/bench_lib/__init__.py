@@ -10,6 +10,6 @@ train.py     a small transformer trained with a checkpoint every K steps
 timeline.py  the PNG timeline of the training runs
 scaling.py   cost against state size and tensor count
 ranks.py     the save scenario on two gloo ranks
-report.py    summary tables, ratios and targets (met / missed)
+report.py    summary tables, ratios and targets (met / MISSED / limited)
 objstore.py  S3 on loopback (moto): stock Fsspec vs ours, and the tiered save (named only)
 """

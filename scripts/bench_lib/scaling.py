@@ -1,10 +1,21 @@
 """The scaling scenario: how each system's save cost grows with state size and tensor count.
 
 To fit the default run's time budget this uses a reduced system set (stock ``dcp.save`` with one
-thread, stock ``dcp.async_save`` default, ours async with a full pool), one round, and runs in
-this process. Each point builds its state once and each system saves it once, except that a
-system keeping state between saves (our writer: its host pool) saves twice and reports the second
-save, as the save scenario does (the first, with the pool's allocation, is in ``first_save``).
+thread, stock ``dcp.async_save`` default, ours async with a full pool) and runs in this process.
+A system keeping state between saves (our writer: its host pool) saves once untimed first, as the
+save scenario does (that first save, with the pool's allocation, is in ``first_save``).
+
+Size axis: one save per system and point (blocked times there are tenths of seconds for stock
+against milliseconds for ours: one save tells them apart).
+
+Count axis: the blocked times compared are milliseconds, where one save is noise (in one run at
+99 tensors ours blocked 7 ms, and a fresh writer of ours after warm-up 2 ms), so each system
+saves several times (:data:`COUNT_SAVES`), systems alternating, one record per save; the report
+takes medians. The :data:`systems.FLOOR` system runs here too: ``dcp.async_save`` with a stager
+that copies nothing, the least any stager can block for. A system stops repeating once its saves
+at the point have taken ``repeat_s`` seconds (it always saves once): at 20,000 tensors a save of
+stock, of the floor or of ours takes 7-8 s on the 2-core machine, so by default each saves once
+there (a larger ``--scale-repeat-s`` buys repeats at that cost).
 
 Our writer also runs once more per point as a user who calls ``DataStatesWriter.warm_up`` at
 set-up would: warm-up (timed, waited for), then one save, recorded as :data:`WARM` -- issue 11's
@@ -14,13 +25,16 @@ target for the first save (time to safe at most 1.5x the steady state's) is read
 from __future__ import annotations
 
 import gc
+import math
 import shutil
 from pathlib import Path
 
 from . import state, systems
 from .common import GB, Recorder, alternate, fresh_dir, log
 
-KEYS = ["stock-sync-t1", "stock-async", "ours-async-1"]
+#: Timed saves per system at a size point and at a count point, in rotation order.
+SIZE_SAVES = {"stock-sync-t1": 1, "stock-async": 1, "ours-async-1": 1}
+COUNT_SAVES = {"stock-sync-t1": 1, "stock-async": 3, systems.FLOOR_KEY: 5, "ours-async-1": 5}
 #: Our writer's first save after ``warm_up``: a fresh writer, its pool allocated and faulted in.
 WARM = "ours async pool 1/1, first save after warm_up"
 WARM_KEY = "ours-async-1-warm"
@@ -34,6 +48,7 @@ def run(
     size_tensors: int,
     counts: list[int],
     count_bytes: float,
+    repeat_s: float,
 ) -> None:
     workdir = fresh_dir(workdir / "scaling")
     points = [("size", nbytes, size_tensors) for nbytes in sizes]
@@ -42,29 +57,75 @@ def run(
     for p, (axis, nbytes, tensors) in enumerate(points):
         sd = state.build(nbytes, tensors)
         point = {"axis": axis, "bytes": state.nbytes(sd), "tensors": len(state.tensors_of(sd))}
-        for key in [*alternate(KEYS, p), WARM_KEY]:
-            _measure(rec, key, sd, workdir, point)
+        if axis == "size":
+            _rotate(rec, sd, workdir, point, SIZE_SAVES, math.inf, p)
+        else:
+            _rotate(rec, sd, workdir, point, COUNT_SAVES, repeat_s, p)
+        _measure_warm(rec, sd, workdir, point)
         del sd
         gc.collect()
 
 
-def _measure(rec: Recorder, key: str, sd: dict, workdir: Path, point: dict) -> None:
-    """One system at one point: its steady save (after a first one, for systems keeping state),
-    or for :data:`WARM_KEY` a fresh writer's first save after ``warm_up``."""
-    size = point["bytes"]
-    system = systems.make(key.removesuffix("-warm"), workdir / "root", size)
-    path = workdir / key
-    extra: dict = {}
+def _rotate(
+    rec: Recorder,
+    sd: dict,
+    workdir: Path,
+    point: dict,
+    saves: dict[str, int],
+    repeat_s: float,
+    first_round: int,
+) -> None:
+    """Rounds in which each system of ``saves`` saves once, the order reversed every round, until
+    each has saved its count or (after one save) spent ``repeat_s`` seconds in saves here.
+
+    A system is made at its first save and closed after its last, so that (on the size axis,
+    where states are GBs) only one system's memory is held at a time besides the state."""
+    open_systems: dict[str, systems.SaveSystem] = {}
+    done = dict.fromkeys(saves, 0)
+    spent = dict.fromkeys(saves, 0.0)
     try:
-        if key == WARM_KEY:
-            extra["warm_up_s"] = system.warm_up(sd)
-        elif system.keeps_state:
-            extra["first_save"] = system.save(sd, path, no_dist=True).figures()
-            shutil.rmtree(path, ignore_errors=True)
-        times = system.save(sd, path, no_dist=True)
+        for r in range(max(saves.values())):
+            for key in alternate(list(saves), first_round + r):
+                if done[key] >= saves[key] or (done[key] and spent[key] >= repeat_s):
+                    continue
+                extra: dict = {"round": r}
+                if key not in open_systems:
+                    open_systems[key] = systems.make(key, workdir / "root", point["bytes"])
+                    if open_systems[key].keeps_state:
+                        extra["first_save"] = _save(open_systems[key], sd, workdir / key).figures()
+                times = _save(open_systems[key], sd, workdir / key)
+                _emit(rec, open_systems[key].name, times, point, extra)
+                done[key] += 1
+                spent[key] += times.durable_s
+                if done[key] == saves[key]:
+                    open_systems.pop(key).close()
+    finally:
+        for system in open_systems.values():
+            system.close()
+
+
+def _measure_warm(rec: Recorder, sd: dict, workdir: Path, point: dict) -> None:
+    """A fresh writer's first save after ``warm_up``, recorded as :data:`WARM`."""
+    system = systems.make(WARM_KEY.removesuffix("-warm"), workdir / "root", point["bytes"])
+    try:
+        warm_up_s = system.warm_up(sd)
+        times = _save(system, sd, workdir / WARM_KEY)
     finally:
         system.close()
+    _emit(rec, WARM, times, point, {"warm_up_s": warm_up_s})
+
+
+def _save(system: systems.SaveSystem, sd: dict, path: Path) -> systems.SaveTimes:
+    """One save, waited for and its files removed. Its futures (and the metadata they hold) die
+    with ``system.save``'s frame, so freeing them is not in the next save's time. No
+    ``gc.collect()`` here: a full collection takes 0.2-0.3 s in this process, a few seconds per
+    count point; the medians take care of a collection landing in one save."""
+    try:
+        return system.save(sd, path, no_dist=True)
+    finally:
         shutil.rmtree(path, ignore_errors=True)
-    name = WARM if key == WARM_KEY else systems.SAVE_SYSTEMS[key]
-    figures = {**times.figures(), "durable_gb_per_s": size / GB / times.durable_s}
+
+
+def _emit(rec: Recorder, name: str, times: systems.SaveTimes, point: dict, extra: dict) -> None:
+    figures = {**times.figures(), "durable_gb_per_s": point["bytes"] / GB / times.durable_s}
     rec.emit("scaling", name, figures, **extra, **point)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 from dcp_datastates import DataStatesWriter, async_save
 
@@ -127,6 +127,29 @@ class StockAsyncDefault(SaveSystem):
         return _finish(t0, now(), None, upload)
 
 
+class NoStageWriter(FileSystemWriter, AsyncStager):
+    """Stock ``FileSystemWriter`` that is its own stager and stages nothing: ``stage()`` hands
+    the state back as it is, so what ``dcp.async_save`` still blocks for is its own work."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:  # type: ignore[override]
+        return state_dict
+
+
+class Floor(SaveSystem):
+    """``dcp.async_save`` through :class:`NoStageWriter`: the least any stager can block for,
+    since nothing is copied. The writer is built before the clock starts (ours is reused too)."""
+
+    name = "floor: dcp.async_save, no-op stager"
+
+    def save(self, state: dict[str, Any], path: Path, **dcp_kwargs: Any) -> SaveTimes:
+        writer = NoStageWriter(path)
+        t0 = now()
+        upload = dcp.async_save(state, storage_writer=writer, checkpoint_id=path, **dcp_kwargs)
+        return _finish(t0, now(), None, upload)
+
+
 class StockAsyncStager(SaveSystem):
     """``dcp.async_save`` with a caller-owned ``DefaultStager`` staging on its own thread (it
     keeps its staging copy between saves, as DCP's docs recommend reusing it)."""
@@ -219,6 +242,10 @@ SAVE_SYSTEMS = {
     "ours-async-4": "ours async pool 1/4",
     "ours-async-16": "ours async pool 1/16",
 }
+#: Not a way to save, so not in ``SAVE_SYSTEMS`` (the save scenario runs all of those): the floor
+#: under every stager, measured by the scaling scenario's count axis.
+FLOOR_KEY = "floor"
+FLOOR = Floor.name
 
 
 def make(key: str, root: Path, state_bytes: int) -> SaveSystem:
@@ -228,6 +255,8 @@ def make(key: str, root: Path, state_bytes: int) -> SaveSystem:
         return StockAsyncDefault()
     if key == "stock-stager":
         return StockAsyncStager()
+    if key == FLOOR_KEY:
+        return Floor()
     if key == "ours-sync":
         return OursSync(root, state_bytes)
     if key.startswith("ours-async-"):

@@ -1,0 +1,158 @@
+"""The benchmark report's verdicts, fed synthetic records: met, MISSED, limited, n/a.
+
+No timing is measured or asserted: each test writes the figures a run could have produced into a
+``Recorder`` and checks the verdict the report draws from them, in particular that a missed
+target is "limited" only where the limit measured in the same run fails the target too.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from bench_lib import load, report  # noqa: E402
+from bench_lib.common import Recorder  # noqa: E402
+
+MS = 1e-3
+COUNT_BYTES = 100_000_000
+WORST_COUNT = "many tensors: ours / stock async blocked, worst count point"
+MOST_TENSORS = "many tensors: ours blocked s at the largest count"
+WARM_VERIFIED = "warm load, checksums verified: ours reader / best raw warm read"
+
+
+@pytest.fixture
+def rec(tmp_path: Path) -> Recorder:
+    return Recorder(None, quick=False, target_dir=tmp_path)
+
+
+def _target(name: str) -> report.Target:
+    return next(t for t in report.TARGETS if t.name == name)
+
+
+def _verdict(rec: Recorder, name: str) -> report.Verdict:
+    return report.judge(_target(name), report._Figures(rec))
+
+
+def _count_point(rec: Recorder, tensors: int, **blocked_ms: list[float]) -> None:
+    """Saves at one count point: ``ours``, ``stock`` and ``floor`` blocked ms, one per save."""
+    names = {"ours": report.OURS_FULL, "stock": report.STOCK_ASYNC, "floor": report.FLOOR}
+    for key, values in blocked_ms.items():
+        for r, ms in enumerate(values):
+            figures = {"blocked_s": ms * MS, "safe_s": 0.05, "durable_s": 0.1}
+            point = {"axis": "count", "bytes": COUNT_BYTES, "tensors": tensors}
+            rec.emit("scaling", names[key], figures, round=r, **point)
+
+
+def _fixed(value: float | None, limit: tuple[float | None, str] | None) -> report.Target:
+    """A target of ``value`` (at most 1 to pass) whose limit, if any, gives ``limit``."""
+    return report.Target(
+        "synthetic",
+        "<= 1",
+        lambda f: (value, "why" if value is None else "measured"),
+        lambda v: v <= 1,
+        limit=None if limit is None else (lambda f: limit),
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "limit", "result", "detail"),
+    [
+        (0.5, (2.0, "unused"), report.MET, "measured"),
+        (2.0, None, report.MISSED, "measured"),
+        (2.0, (3.0, "the limit"), report.LIMITED, "measured; limit: 3 (the limit)"),
+        (2.0, (0.5, "the limit"), report.MISSED, "measured; limit: 0.5 (the limit)"),
+        (2.0, (None, "not run"), report.MISSED, "measured; limit: n/a (not run)"),
+        (None, (3.0, "unused"), report.NA, "why"),
+    ],
+)
+def test_judge_is_limited_only_where_the_limit_fails_the_target_too(
+    rec: Recorder,
+    value: float | None,
+    limit: tuple[float | None, str] | None,
+    result: str,
+    detail: str,
+) -> None:
+    verdict = report.judge(_fixed(value, limit), report._Figures(rec))
+    assert (verdict.value, verdict.result, verdict.detail) == (value, result, detail)
+
+
+def test_worst_count_is_limited_where_the_floor_is_over_the_line_at_every_missed_point(
+    rec: Recorder,
+) -> None:
+    _count_point(rec, 99, ours=[7, 2, 3], stock=[18, 20, 19], floor=[1.2, 1.0, 5.0])
+    _count_point(rec, 999, ours=[3, 3, 3], stock=[35, 36, 34], floor=[2.0, 2.5, 2.2])
+    _count_point(rec, 4998, ours=[6], stock=[166], floor=[1.0])  # met here: 1/28
+    v = _verdict(rec, WORST_COUNT)
+    # Medians, not the first save: ours 3 ms against stock 19 ms at 99 tensors.
+    assert v.value == pytest.approx(3 / 19)
+    assert v.result == report.LIMITED, v.detail
+    # The limit is the floor's least share over the missed points (999: 2.2 / 35), not 4998's.
+    assert f"limit: {2.2 / 35:.4g} (missed at 99: " in v.detail
+    assert "4998: ours" not in v.detail and "999: ours 3.00 ms, floor 2.20 ms" in v.detail
+
+
+def test_worst_count_stays_missed_where_one_missed_point_has_its_floor_under_the_line(
+    rec: Recorder,
+) -> None:
+    _count_point(rec, 99, ours=[7], stock=[18], floor=[1.5])  # floor 1/12: over the line
+    _count_point(rec, 999, ours=[3], stock=[35], floor=[0.8])  # floor 1/44: ours to fix
+    v = _verdict(rec, WORST_COUNT)
+    assert v.result == report.MISSED, v.detail
+    assert f"limit: {0.8 / 35:.4g}" in v.detail
+
+
+def test_worst_count_without_the_floor_is_missed_and_says_so(rec: Recorder) -> None:
+    _count_point(rec, 99, ours=[7], stock=[18])
+    v = _verdict(rec, WORST_COUNT)
+    assert v.result == report.MISSED and "limit: n/a (no floor at 99 tensors)" in v.detail
+
+
+def test_most_tensors_is_limited_only_if_the_floor_itself_is_over_20_ms(rec: Recorder) -> None:
+    _count_point(rec, 99, ours=[1], stock=[18], floor=[30])
+    _count_point(rec, 19998, ours=[28, 27, 26], stock=[963], floor=[0.9, 1.1, 1.0])
+    v = _verdict(rec, MOST_TENSORS)
+    assert v.value == pytest.approx(27 * MS)
+    assert v.result == report.MISSED, v.detail
+    assert "floor 1.00 ms at 19998 tensors; ours / floor 27.0x" in v.detail
+
+
+def _warm_load(rec: Recorder, **gb_per_s: float) -> None:
+    for name, speed in gb_per_s.items():
+        figures = {"seconds": 2 / speed, "gb_per_s": speed}
+        rec.emit("load", name, figures, checkpoint="ours", cache="warm", round=0)
+
+
+@pytest.mark.parametrize(("crc", "result"), [(4.1, report.LIMITED), (8.0, report.MISSED)])
+def test_verified_warm_load_is_held_against_the_checksummed_raw_read(
+    rec: Recorder, crc: float, result: str
+) -> None:
+    _warm_load(rec, **{load.RAW1: 9.0, load.RAW4: 10.0, load.RAW4_CRC: crc, load.OURS: 3.8})
+    v = _verdict(rec, WARM_VERIFIED)
+    assert v.value == pytest.approx(0.38)
+    assert v.result == result, v.detail
+    assert f"limit: {crc / 10:.4g} ({crc:.3f} / 10.000 GB/s; ours / limit {3.8 / crc:.2f})" in (
+        v.detail
+    )
+
+
+@pytest.mark.parametrize(
+    ("blocked", "share"), [(1.0, "1/20"), (0.0, "0"), (15.0, "0.75x"), (40.0, "2.00x")]
+)
+def test_count_point_share_reads_1_over_n_or_a_multiple(blocked: float, share: str) -> None:
+    assert report.CountPoint(99, 1.0, 20.0, None).share(blocked) == share
+
+
+def test_targets_table_and_scaling_table_show_the_verdict_and_the_floor(rec: Recorder) -> None:
+    _count_point(rec, 99, ours=[7, 3, 3], stock=[18, 19, 20], floor=[1.2, 1.0, 1.1])
+    table = report.targets_table(report._Figures(rec), [_target(WORST_COUNT)])
+    assert f"| {WORST_COUNT} | {3 / 19:.4g} | <= 0.05 | limited | 99: 1/6 (floor 1/17);" in table
+    scaling = report.scaling_table(report._Figures(rec))
+    assert scaling is not None
+    header, _, row = scaling.split("\n\n")[1].splitlines()
+    assert header.index(report.STOCK_ASYNC) < header.index(report.FLOOR)
+    assert header.index(report.FLOOR) < header.index(report.OURS_FULL)
+    assert "| 0.0011 [0.0010-0.0012] / 0.10 (3 saves) |" in row
