@@ -156,3 +156,33 @@ def test_targets_table_and_scaling_table_show_the_verdict_and_the_floor(rec: Rec
     assert header.index(report.STOCK_ASYNC) < header.index(report.FLOOR)
     assert header.index(report.FLOOR) < header.index(report.OURS_FULL)
     assert "| 0.0011 [0.0010-0.0012] / 0.10 (3 saves) |" in row
+
+
+SAFE = "safe to mutate (host state): ours async / stock DefaultStager staging"
+
+
+def _safe_run(rec: Recorder, *, ours_s: float, stager_s: float, memcpy_gb_per_s: float) -> None:
+    """A 3 GB save of ours and of DefaultStager, and the parallel memcpy limit."""
+    from bench_lib import limits
+
+    size = 3 * 10**9
+    for system, safe in ((report.OURS_FULL, ours_s), (report.STOCK_STAGER, stager_s)):
+        figures = {"blocked_s": 0.002, "safe_s": safe, "durable_s": 2.0, "durable_gb_per_s": 1.5}
+        rec.emit("save", system, figures, bytes=size, round=0)
+    figures = {"seconds": 1 / memcpy_gb_per_s, "gb_per_s": memcpy_gb_per_s}
+    rec.emit("limits", limits.memcpy_parallel_name(), figures, bytes=10**9, round=0)
+
+
+@pytest.mark.parametrize(
+    ("memcpy_gb_per_s", "result"),
+    # DefaultStager stages 3 GB in 0.2 s (15 GB/s); ours takes 0.3 s.
+    [(20.0, report.MISSED), (12.0, report.LIMITED)],
+)
+def test_safe_to_mutate_is_limited_only_where_the_parallel_copy_is_slower_than_the_stager(
+    rec: Recorder, memcpy_gb_per_s: float, result: str
+) -> None:
+    _safe_run(rec, ours_s=0.3, stager_s=0.2, memcpy_gb_per_s=memcpy_gb_per_s)
+    verdict = _verdict(rec, SAFE)
+    assert verdict.result == result
+    copy_s = 3 / memcpy_gb_per_s
+    assert f"= {copy_s:.3f} s, ours {0.3 / copy_s:.2f}x the copy" in verdict.detail

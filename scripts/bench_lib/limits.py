@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from dcp_datastates.options import WriterOptions
+
 from .common import GB, Recorder, alternate, fresh_dir, go_cold, log, now
 
 BLOCK = 8 << 20  # bytes per write() / readinto()
@@ -140,6 +142,33 @@ def memcpy(nbytes: int, repeat: int = 3) -> float:
     return best
 
 
+def memcpy_parallel(nbytes: int, threads: int, repeat: int = 3) -> float:
+    """Best seconds of ``repeat`` copies of ``nbytes`` split into 32 MiB chunks copied by
+    ``threads`` threads: what our snapshot's copy workers (as many as it starts, in chunks of
+    its default ``chunk_bytes``) could reach at most for host-resident state."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    chunk = WriterOptions().chunk_bytes
+    jobs = [(dst[o : o + chunk], src[o : o + chunk]) for o in range(0, nbytes, chunk)]
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeat):
+            t0 = now()
+            list(pool.map(lambda job: job[0].copy_(job[1]), jobs))
+            best = min(best, now() - t0)
+    return best
+
+
+def copy_workers() -> int:
+    """The copy workers a writer with default options starts on this machine."""
+    return WriterOptions().effective_copy_workers()
+
+
+def memcpy_parallel_name() -> str:
+    return f"memcpy x{copy_workers()} (our copy workers)"
+
+
 def pinned_d2h(nbytes: int, repeat: int = 3) -> float | None:
     """Best seconds of a device-to-pinned-host copy of ``nbytes``; None without a GPU."""
     if not torch.cuda.is_available():
@@ -219,6 +248,15 @@ def run(
         )
         s = memcpy(nbytes)
         rec.emit("limits", "memcpy", {"seconds": s, "gb_per_s": gb / s}, bytes=nbytes, round=r)
+        s = memcpy_parallel(nbytes, copy_workers())
+        rec.emit(
+            "limits",
+            memcpy_parallel_name(),
+            {"seconds": s, "gb_per_s": gb / s},
+            bytes=nbytes,
+            threads=copy_workers(),
+            round=r,
+        )
         s = pinned_d2h(nbytes)
         if s is not None:
             rec.emit(

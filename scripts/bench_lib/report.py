@@ -14,7 +14,7 @@ from typing import Any
 
 from . import load, scaling, train
 from .common import GB, Recorder, Spread
-from .limits import write_limit_name
+from .limits import memcpy_parallel_name, write_limit_name
 from .systems import FLOOR, SAVE_SYSTEMS
 
 STOCK_ASYNC = SAVE_SYSTEMS["stock-async"]
@@ -554,6 +554,24 @@ def _durable_every_round(f: _Figures) -> tuple[float | None, str]:
     return min(ratios), "per round: " + ", ".join(f"{x:.2f}" for x in ratios)
 
 
+def _safe_limit(f: _Figures) -> tuple[float | None, str]:
+    """The quickest a snapshot of host-resident state can be: the save's bytes copied by as many
+    threads as our copy workers (the limits scenario's ``memcpy xN`` rate), against
+    ``DefaultStager``'s staging time."""
+    rate = f.spread("limits", memcpy_parallel_name(), "gb_per_s")
+    stager = f.spread("save", STOCK_STAGER, "safe_s")
+    saved = f.rec.select("save", system=OURS_FULL)
+    if rate is None or stager is None or not saved or stager.median <= 0:
+        return None, f"needs limits ({memcpy_parallel_name()}) and save"
+    seconds = saved[0]["bytes"] / GB / rate.median
+    ours = f.spread("save", OURS_FULL, "safe_s")
+    behind = f", ours {ours.median / seconds:.2f}x the copy" if ours is not None else ""
+    return seconds / stager.median, (
+        f"{saved[0]['bytes'] / GB:.2f} GB at {memcpy_parallel_name()}'s {rate.median:.2f} GB/s "
+        f"= {seconds:.3f} s{behind}"
+    )
+
+
 #: Issue 11: ours blocks for at most this share of stock async at every count point.
 COUNT_SHARE = 0.05
 #: ... and for at most this many seconds at the largest count.
@@ -724,6 +742,7 @@ TARGETS = [
             "needs save",
         ),
         lambda v: v <= 1.0,
+        limit=_safe_limit,
     ),
     Target(
         "durable throughput: ours async / parallel write+fsync limit",
