@@ -51,9 +51,22 @@ def no_synchronize_after_execute(cls: type) -> type:
     """Class decorator: tell ``dcp.async_save`` not to call ``synchronize_staging()`` right after
     starting the save (which would wait for the whole snapshot on the caller's thread).
 
-    DCP reads the public ``should_synchronize_after_execute``, which returns this attribute.
+    DCP reads the public ``should_synchronize_after_execute`` (which returns this attribute) on
+    the caller's thread once the save thread is started, as ``dcp.async_save`` returns: the
+    property installed here answers False and first calls the class's
+    ``_returning_from_async_save()``, if it has one.
     """
     cls._synchronize_after_execute = False  # type: ignore[attr-defined]
+
+    def should_synchronize_after_execute(self: Any) -> bool:
+        returning = getattr(self, "_returning_from_async_save", None)
+        if returning is not None:
+            returning()
+        return False
+
+    cls.should_synchronize_after_execute = property(  # type: ignore[attr-defined]
+        should_synchronize_after_execute
+    )
     return cls
 
 

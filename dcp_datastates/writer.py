@@ -247,6 +247,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         return self._runtime.closed
 
     # -- AsyncStager -------------------------------------------------------------------------
+    def _returning_from_async_save(self) -> None:
+        """``dcp.async_save`` started the save thread and is returning (``_dcp_private``): the
+        planning thread may take the GIL now (``SnapshotRuntime.caller_returning``)."""
+        self._runtime.caller_returning()
+
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE | Future[STATE_DICT_TYPE]:
         """Start the lazy snapshot of ``state_dict`` and return at once (see the lifecycle)."""
         start = time.monotonic()

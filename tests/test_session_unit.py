@@ -224,6 +224,49 @@ def test_a_session_never_claimed_is_dropped_after_the_claim_timeout(monkeypatch)
     rt.close()
 
 
+def _stage_later(rt: SnapshotRuntime) -> threading.Event:
+    """A session staged to be planned later; the event is set once its planning starts."""
+    started = threading.Event()
+
+    def plan() -> tuple[list, int]:
+        started.set()
+        return plan_providers({"t": torch.zeros(1000)}), 4000
+
+    rt.stage_later(plan, "token", rank=0, started=time.monotonic(), expect_claim=True)
+    return started
+
+
+def test_planning_starts_once_claimed_and_the_staging_thread_is_returning(monkeypatch) -> None:
+    # Planning that starts while the caller is still inside dcp.async_save takes the GIL from
+    # it for a switch interval (5 ms): it waits for the claim and for the caller's signal.
+    monkeypatch.setattr(runtime_mod, "RETURN_WAIT_S", EVENT_TIMEOUT_S)
+    rt = SnapshotRuntime(WriterOptions(), "test")
+    started = _stage_later(rt)
+    claimer = threading.Thread(target=rt.claim)  # returns once the session is planned
+    claimer.start()
+    other = threading.Thread(target=rt.caller_returning)  # not the thread that staged
+    other.start()
+    other.join(EVENT_TIMEOUT_S)
+    assert not started.wait(0.2)
+    rt.caller_returning()
+    assert started.wait(EVENT_TIMEOUT_S)
+    claimer.join(EVENT_TIMEOUT_S)
+    assert not claimer.is_alive() and rt._returning == []
+    rt.close()
+
+
+def test_planning_starts_anyway_when_the_caller_never_says_it_returns(monkeypatch) -> None:
+    monkeypatch.setattr(runtime_mod, "RETURN_WAIT_S", 0.05)
+    rt = SnapshotRuntime(WriterOptions(), "test")
+    started = _stage_later(rt)
+    claimer = threading.Thread(target=rt.claim)
+    claimer.start()
+    assert started.wait(EVENT_TIMEOUT_S)
+    claimer.join(EVENT_TIMEOUT_S)
+    assert rt._returning == []  # nothing left for a later caller_returning() to find
+    rt.close()
+
+
 def test_close_drops_a_session_staged_outside_a_save_and_then_refuses_work() -> None:
     rt, session = runtime_with({"t": torch.zeros(1000)})
     rt.stage(session, None, started=time.monotonic(), expect_claim=False)

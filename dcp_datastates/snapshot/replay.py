@@ -27,7 +27,15 @@ values read here. The record holds no reference to the caller's objects (a finis
 none).
 
 Cost at 20,000 tensors (10,005 eager, 9 MB) on this 2-core machine under load: 13-20 ms of the
-caller's CPU against 50-60 ms for the walk (``scripts/bench_scale.py counts``).
+caller's CPU against 50-60 ms for the walk (``scripts/bench_scale.py counts``). On a 2-core AMD
+EPYC VM, inside a running ``dcp.async_save`` (medians of 13 steady saves, caller CPU): 19-26 ms
+in all; the structure 2.7 ms, the big tensors' ``nbytes`` 3.3, ``is_cpu`` 2.2 and ``_version``
+3.7, the eager groups' dtype check 3.4 and ``torch.stack`` 7.1. About half of it is cache and
+TLB misses on the tensors' metadata, which the previous save's copy of the state evicted: the
+same passes on warm caches take 9-15 ms, and a C++ loop over the 9,993 big tensors that touches
+only their version counters (``torch._C._increment_version``) takes 2.5-3 ms cold. Fusing the
+passes (one ``attrgetter`` of three attributes; a dtype check and a stack per chunk small enough
+for ATen's serial ``cat`` kernel) measured within 1 ms of this, inside the run-to-run spread.
 """
 
 from __future__ import annotations
