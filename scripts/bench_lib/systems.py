@@ -262,7 +262,7 @@ def make(key: str, root: Path, state_bytes: int) -> SaveSystem:
     if key == FLOOR_KEY:
         return Floor()
     if key == "ours-sync":
-        return OursSync(root, state_bytes)
+        return OursSync(root, None)  # sized by the writer, as OursAsync 1/1
     if key.startswith("ours-async-"):
         return OursAsync(root, state_bytes, int(key.rsplit("-", 1)[1]))
     raise ValueError(f"unknown save system {key!r}; known: {', '.join(SAVE_SYSTEMS)}")
