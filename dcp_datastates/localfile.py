@@ -26,6 +26,8 @@ import os
 import threading
 from typing import Any
 
+from ._pages import populate_write
+
 #: Alignment of direct writes: memory, offset and length (4 KiB covers 512 B and 4 KiB devices).
 ALIGN = 4096
 #: Bytes gathered before one direct write. One write is split into requests of the device's
@@ -56,15 +58,9 @@ def _take_buffer() -> mmap.mmap:
     return mmap.mmap(-1, DIRECT_BUFFER)  # anonymous: page aligned
 
 
-#: ``MADV_POPULATE_WRITE`` (Linux 5.14+; the mmap module does not export it).
-_MADV_POPULATE_WRITE = 23
-
-
 def _faulted_in(buf: mmap.mmap) -> mmap.mmap:
     """``buf`` with every page faulted in, so its first ``memmove`` takes no page fault."""
-    try:
-        buf.madvise(_MADV_POPULATE_WRITE)
-    except (OSError, ValueError):  # an older kernel: touch the pages instead
+    if not populate_write(buf):  # an older kernel: touch the pages instead
         ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, len(buf))
     return buf
 

@@ -249,3 +249,17 @@ def test_warm_up_prepares_no_direct_buffer_where_files_are_not_written_directly(
         writer.warm_up(state, wait=True)
         assert localfile._spare == [], writer.path
         writer.close()
+
+
+def test_populate_write_faults_in_exactly_the_pages_of_an_unaligned_range() -> None:
+    from dcp_datastates._pages import populate_write
+
+    page = mmap.PAGESIZE
+    buf = mmap.mmap(-1, 16 * page)
+    assert _resident_pages(buf) == 0  # fresh anonymous memory: nothing faulted in yet
+    if not populate_write(buf, 3 * page + 100, 2 * page):  # pages 3, 4 and 5
+        pytest.skip("this kernel refuses MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert _resident_pages(buf) == 3
+    assert populate_write(buf)
+    assert _resident_pages(buf) == 16
+    buf.close()

@@ -14,27 +14,17 @@ fault or by populate) cost 4.5-6 s per GB on this machine, several times the 4 K
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 
 import torch
 
+from .._pages import populate_write
+
 logger = logging.getLogger(__name__)
 
-#: ``MADV_POPULATE_WRITE`` from ``<linux/mman.h>`` (the mmap module does not export it).
-_MADV_POPULATE_WRITE = 23
 #: Bytes populated per call: small enough that the first copy starts soon.
 SLICE_BYTES = 64 << 20
-
-_libc: ctypes.CDLL | None = None
-
-
-def _madvise(address: int, nbytes: int, advice: int) -> bool:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), advice) == 0
 
 
 class PopulatedBuffer:
@@ -45,18 +35,15 @@ class PopulatedBuffer:
         _advise(self._map, "MADV_NOHUGEPAGE")  # see the module docstring
         # frombuffer keeps the mapping alive as long as the tensor (and its views) are.
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes]
-        self._populate_call = hasattr(ctypes, "CDLL")
+        self._populate_call = True  # until the kernel refuses MADV_POPULATE_WRITE
 
     def populate(self, offset: int, nbytes: int) -> None:
         """Fault ``[offset, offset + nbytes)`` in (zeroed pages, as fresh memory is anyway)."""
         if nbytes <= 0:
             return
         if self._populate_call:
-            try:
-                if _madvise(self.tensor.data_ptr() + offset, nbytes, _MADV_POPULATE_WRITE):
-                    return
-            except (OSError, AttributeError):  # pragma: no cover - no libc symbol
-                pass
+            if populate_write(self._map, offset, nbytes):
+                return
             self._populate_call = False
             logger.debug("MADV_POPULATE_WRITE refused; touching the host pool page by page")
         self.tensor[offset : offset + nbytes].zero_()
