@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from _faults_util import wait_until
 from conftest import EVENT_TIMEOUT_S
 
 from dcp_datastates.errors import (
@@ -244,10 +245,11 @@ def test_planning_starts_once_claimed_and_the_staging_thread_is_returning(monkey
     started = _stage_later(rt)
     claimer = threading.Thread(target=rt.claim)  # returns once the session is planned
     claimer.start()
+    wait_until(lambda: not rt.has_unclaimed(), EVENT_TIMEOUT_S, "the claim")
     other = threading.Thread(target=rt.caller_returning)  # not the thread that staged
     other.start()
     other.join(EVENT_TIMEOUT_S)
-    assert not started.wait(0.2)
+    assert not started.wait(0.2)  # claimed, yet planning waits for the staging thread's signal
     rt.caller_returning()
     assert started.wait(EVENT_TIMEOUT_S)
     claimer.join(EVENT_TIMEOUT_S)
@@ -320,3 +322,18 @@ def test_never_more_files_than_items_nor_an_empty_one() -> None:
     files = assign_files([item for item, _ in items], session, 8)
     assert len(files) == 2 and all(files)
     assert assign_files([], session, 4) == []
+
+
+class _HandOffRefused(SnapshotRuntime):
+    """A runtime whose hand-off fails (``close()`` racing with ``stage()``, say)."""
+
+    def _hand_off(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        raise WriterClosedError("closed while staging")
+
+
+def test_a_stage_later_refused_at_the_hand_off_leaves_nothing_waiting_for_its_return() -> None:
+    rt = _HandOffRefused(WriterOptions(), "test")
+    with pytest.raises(WriterClosedError):
+        _stage_later(rt)
+    assert rt._returning == []  # no entry that only a later caller_returning() would clear
+    rt.close()

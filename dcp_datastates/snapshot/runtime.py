@@ -320,14 +320,14 @@ class SnapshotRuntime:
         # interval: 99 tensors, 2.1 ms median from stage()'s return to dcp.async_save's).
         claimed = threading.Event() if expect_claim else None
         returning = threading.Event() if expect_claim else None
-        if returning is not None:
-            with self._lock:
-                self._returning.append((threading.current_thread(), returning))
         try:
             self._hand_off(session, token, expect_claim, claimed)
         except BaseException as exc:
             self.abort(session, exc)  # never left behind for close() to wait on
             raise
+        if returning is not None:  # registered once handed off: a failed stage() leaves none
+            with self._lock:
+                self._returning.append((threading.current_thread(), returning))
         if self.options.guard_optimizer_step:
             _guard.guard(session.staged, session.add_optimizer_wait, None)
         if self.options.guard_forward:
