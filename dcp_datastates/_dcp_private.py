@@ -15,6 +15,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict_saver as _saver
 from torch.distributed.checkpoint._extension import (  # noqa: F401 - re-exported
     ExtensionRegistry,
@@ -150,6 +152,20 @@ def async_save_call(depth: int = 1) -> AsyncSaveCall:
     return NOT_FOUND
 
 
+def require_cpu_backend(process_group: Any) -> None:
+    """``dcp.async_save``'s check before it stages, for ``dcp_datastates.async_save``, which
+    runs the save on its own threads: the save thread's collectives need a CPU backend. Reads
+    the default group (``_get_default_group``) and a group's ``_device_types``, as DCP does."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    group = process_group or dist.distributed_c10d._get_default_group()
+    if torch.device("cpu") not in group._device_types:
+        raise AssertionError(
+            "A CPU backend must be enabled for async save; try initializing process group "
+            "with 'cpu:gloo,cuda:nccl'"
+        )
+
+
 def warn_call_not_found() -> None:
     """Say that ``stage()`` ran outside any ``dcp.async_save`` we recognise (Python's default
     warning filter shows it once per calling line)."""
@@ -172,6 +188,7 @@ __all__ = [
     "StorageInfo",
     "async_save_call",
     "no_synchronize_after_execute",
+    "require_cpu_backend",
     "set_element",
     "warn_call_not_found",
 ]

@@ -13,8 +13,9 @@ from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
     AsyncSaveResponse,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
-from ._dcp_private import AsyncSaveCall
+from ._dcp_private import AsyncSaveCall, require_cpu_backend
 from .errors import CheckpointSaveError
 from .writer import _ANNOUNCED, DataStatesWriter, record_failure
 
@@ -32,6 +33,13 @@ def async_save(
     :class:`DataStatesWriter` (reuse one writer, and so its host pool, across saves, giving each
     save its own ``checkpoint_id``). Other keyword arguments go to ``dcp.async_save``
     (``checkpoint_id``, ``process_group``, ``no_dist``, ``async_checkpointer_type``, ...).
+
+    With a writer passed in and the THREAD executor (the default), the save runs on the
+    writer's own save threads, kept from one save to the next, rather than on a thread that
+    ``dcp.async_save`` starts for each save: the caller is blocked for ``stage()`` and little
+    else (about half a millisecond less than through ``dcp.async_save`` here). What runs is
+    what ``dcp.async_save`` runs: ``state_dict()`` of every ``Stateful`` value on the caller,
+    ``stage()``, then ``dcp.save`` of the staged state on another thread.
 
     Returns:
         ``AsyncSaveResponse``: ``staging_completion`` resolves when the snapshot is complete and
@@ -60,7 +68,12 @@ def async_save(
     writer._local.staged_stats = None
     token = writer._announce(call)
     try:
-        returned = dcp.async_save(state_dict, storage_writer=writer, **kwargs)
+        if owned or call.mode != AsyncCheckpointerType.THREAD.value:
+            # A writer made for this save is closed by its own save thread (relay below), and
+            # PROCESS mode runs in DCP's daemon: both keep dcp.async_save's own executors.
+            returned = dcp.async_save(state_dict, storage_writer=writer, **kwargs)
+        else:
+            returned = _save_on_writer_threads(state_dict, writer, kwargs)
     except BaseException as exc:
         writer._abandon_staged(exc)  # staged, but the save that would write it never started
         if owned:
@@ -94,6 +107,57 @@ def async_save(
 
     upload.add_done_callback(relay)
     return AsyncSaveResponse(staging_completion=staging, upload_completion=out)
+
+
+#: dcp.async_save's keyword arguments that reach dcp.save (the others are checked above).
+_SAVE_KWARGS = frozenset(
+    {"checkpoint_id", "planner", "process_group", "no_dist", "use_collectives"}
+)
+
+
+def _save_on_writer_threads(
+    state_dict: dict[str, Any], writer: DataStatesWriter, kwargs: dict[str, Any]
+) -> Future[Any]:
+    """``dcp.async_save`` for the THREAD executor, with the writer's reused save threads.
+
+    ``dcp.async_save`` starts a thread for every save (``ThreadPoolExecutor(1)``) and logs each
+    of its steps; on the caller that costs more than ``stage()`` itself for states of a few
+    hundred tensors. The steps are the same: the CPU-backend check, ``Stateful`` values'
+    ``state_dict()`` on the caller, ``stage()``, ``dcp.save`` on a save thread, and then the
+    writer is told the caller is returning (``should_synchronize_after_execute``)."""
+    unknown = set(kwargs) - _SAVE_KWARGS - {"async_checkpointer_type"}
+    if unknown:
+        raise TypeError(f"async_save() got unexpected keyword arguments: {sorted(unknown)}")
+    save_kwargs = {k: v for k, v in kwargs.items() if k in _SAVE_KWARGS}
+    require_cpu_backend(kwargs.get("process_group"))
+    staged = writer.stage(_stateful_to_state_dict(state_dict))
+    try:
+        upload = writer._runtime.run_save(_save_staged, staged, writer, save_kwargs)
+    except BaseException as exc:
+        writer._abandon_staged(exc)
+        raise
+    writer._returning_from_async_save()
+    return upload
+
+
+def _save_staged(staged: Any, writer: DataStatesWriter, save_kwargs: dict[str, Any]) -> Any:
+    """On a writer save thread: what DCP's save thread runs, ``dcp.save`` of the staged state.
+    The thread is reused, so what its exit told the writer is said here: the save's per-thread
+    record is dropped, and so is a snapshot it claimed but never wrote (``save_ended``)."""
+    try:
+        return dcp.save(staged, storage_writer=writer, **save_kwargs)
+    finally:
+        writer._local.__dict__.pop("save", None)
+        writer._runtime.save_ended()  # a snapshot it claimed and never wrote is dropped
+
+
+def _stateful_to_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """As ``dcp.async_save`` does on the caller: a shallow copy in which every ``Stateful``
+    value is replaced by its ``state_dict()``."""
+    return {
+        key: value.state_dict() if isinstance(value, Stateful) else value
+        for key, value in state_dict.items()
+    }
 
 
 def _close_owned(writer: DataStatesWriter) -> None:

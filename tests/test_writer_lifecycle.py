@@ -107,7 +107,7 @@ def test_as_both_stager_and_writer_it_saves(tmp_path: Path) -> None:
 
 
 # -- item 4: writers dropped without close() --------------------------------------------------
-@pytest.mark.parametrize("how", ["dcp.async_save", "dcp.save"])
+@pytest.mark.parametrize("how", ["dcp.async_save", "dcp.save", "async_save"])
 def test_writers_used_once_and_dropped_give_back_threads_and_pools(
     tmp_path: Path, how: str
 ) -> None:
@@ -119,6 +119,9 @@ def test_writers_used_once_and_dropped_give_back_threads_and_pools(
         writer = DataStatesWriter(tmp_path / f"c{i}", **SMALL_POOL)
         if how == "dcp.save":
             dcp.save(sd, storage_writer=writer, no_dist=True)
+        elif how == "async_save":  # a writer passed in: its own save threads, kept between saves
+            async_save(sd, writer, no_dist=True).upload_completion.result(timeout=EVENT_TIMEOUT_S)
+            assert any(name.startswith("datastates-save") for name in our_threads())
         else:
             dcp.async_save(sd, storage_writer=writer, no_dist=True).result(timeout=EVENT_TIMEOUT_S)
         assert len(live_pools()) >= pools + 1 or i > 0
@@ -150,6 +153,93 @@ def test_a_finished_save_holds_no_reference_to_the_saved_tensors(
     gc.collect()
     assert ref() is None and small_ref() is None
     assert writer._runtime.pool is not None  # the writer itself lives on, pool included
+
+
+class _ThreadRecordingWriter(DataStatesWriter):
+    """Records the thread each save's ``finish`` ran on."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.finished_on: list[threading.Thread] = []
+
+    def finish(self, metadata, results) -> None:
+        self.finished_on.append(threading.current_thread())
+        super().finish(metadata, results)
+
+
+class _Counter:
+    """A ``Stateful`` whose ``state_dict()`` records the thread that called it."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.called_on: list[threading.Thread] = []
+
+    def state_dict(self) -> dict:
+        self.called_on.append(threading.current_thread())
+        return {"n": self.n, "t": torch.full((8,), float(self.n))}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = sd["n"]
+
+
+def test_async_save_with_a_writer_runs_its_saves_on_reused_threads_that_close_ends(
+    tmp_path: Path,
+) -> None:
+    writer = _ThreadRecordingWriter(tmp_path / "w", **SMALL_POOL)
+    counter = _Counter()
+    for i in range(3):
+        counter.n = i
+        sd = {"w": torch.full((64, 64), float(i)), "counter": counter}
+        response = async_save(sd, writer, checkpoint_id=tmp_path / f"c{i}", no_dist=True)
+        response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    # Stateful values are turned into state dicts on the caller, as dcp.async_save does.
+    assert counter.called_on == [threading.current_thread()] * 3
+    threads = writer.finished_on
+    assert len(threads) == 3 and threads[0].name.startswith("datastates-save")
+    assert threads[1] is threads[0] and threads[2] is threads[0]  # one thread, kept
+    for i in range(3):
+        target = {"w": torch.zeros(64, 64), "counter": _Counter()}
+        dcp.load(target, checkpoint_id=tmp_path / f"c{i}", no_dist=True)
+        assert torch.equal(target["w"], torch.full((64, 64), float(i)))
+        assert target["counter"].n == i
+    writer.close()
+    threads[0].join(timeout=EVENT_TIMEOUT_S)
+    assert not threads[0].is_alive()
+
+
+def test_a_save_failing_while_planning_on_a_reused_save_thread_drops_its_snapshot(
+    tmp_path: Path,
+) -> None:
+    # DCP's save thread exits after a failed save, and the runtime reaps the snapshot it
+    # claimed; a writer save thread lives on, so it must say that its save ended.
+    writer = DataStatesWriter(tmp_path / "w", overwrite=False, **SMALL_POOL)
+    sd = state()
+    async_save(sd, writer, checkpoint_id=tmp_path / "c", no_dist=True).upload_completion.result(
+        timeout=EVENT_TIMEOUT_S
+    )
+    again = async_save(sd, writer, checkpoint_id=tmp_path / "c", no_dist=True)
+    with pytest.raises(CheckpointSaveError, match="overwrite=False"):
+        again.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert pool_drains(writer)
+    wait_for(lambda: not writer._runtime._busy(), "the failed save's snapshot to be dropped")
+    done = threading.Thread(target=writer.close)  # returns at once: nothing left to wait for
+    done.start()
+    done.join(timeout=EVENT_TIMEOUT_S)
+    assert not done.is_alive(), "close() waited for a snapshot no save will write"
+    assert_same_state(sd, load_like(tmp_path / "c", sd, "stock"))
+
+
+def test_async_save_refuses_an_argument_dcp_would_refuse_and_saves_after(
+    tmp_path: Path, make_writer
+) -> None:
+    writer = make_writer(tmp_path / "w", **SMALL_POOL)
+    sd = state()
+    with pytest.raises(TypeError, match="compression"):
+        async_save(sd, writer, checkpoint_id=tmp_path / "bad", no_dist=True, compression=True)
+    assert not (tmp_path / "bad").exists()
+    response = async_save(sd, writer, checkpoint_id=tmp_path / "good", no_dist=True)
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert_same_state(sd, load_like(tmp_path / "good", sd, "stock"))
 
 
 # -- item 5: close() during a save ---------------------------------------------------------------

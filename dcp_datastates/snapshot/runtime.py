@@ -13,9 +13,9 @@ Session lifecycle as the runtime sees it::
 
     new_session --stage()--> UNCLAIMED --claim()--> CLAIMED --start_flush()--> FLUSHING
         |                        |                     |                          |
-        |                        |  never claimed /    |  owner thread died       |  flush
-        |                        |  close() / writer   |  before writing          |  resolved
-        |                        v  collected          v                          v
+        |                        |  never claimed /    |  owner thread died (or   |  flush
+        |                        |  close() / writer   |  its save ended) before  |  resolved
+        |                        v  collected          v  writing                 v
         +--(plain dcp.save: start_snapshot + start_flush)------------------> RETIRED
 
 A session *retires* (``SnapshotSession.retire``) when its flush resolves or it is aborted, and no
@@ -59,6 +59,9 @@ CLAIM_START_WAIT_S = 0.5
 #: (:meth:`SnapshotRuntime.caller_returning`; it normally is within a millisecond or two); a
 #: DCP that never says so delays planning by this much.
 RETURN_WAIT_S = 0.05
+#: Most saves of one writer that run at once on its save threads (``run_save``); a save
+#: beyond them would wait for one to end, and its snapshot's claim with it.
+MAX_SAVE_THREADS = 32
 #: Smallest automatically sized pool.
 MIN_AUTO_POOL = 16 * MiB
 
@@ -152,6 +155,7 @@ class SnapshotRuntime:
         self._sessions: list[SnapshotSession] = []
         self._resources: _Resources | None = None
         self._planner: ThreadPoolExecutor | None = None  # plans what stage() recorded
+        self._savers: ThreadPoolExecutor | None = None  # run dcp_datastates.async_save's saves
         #: Per session planned later, the thread that staged it and the event its planning
         #: waits on until that thread is returning from ``dcp.async_save``.
         self._returning: list[tuple[threading.Thread, threading.Event]] = []
@@ -337,6 +341,17 @@ class SnapshotRuntime:
         if after is not None:
             planner.submit(_quietly, after)
 
+    def run_save(self, save: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``save(*args)`` (a ``dcp.save``) on one of the writer's save threads, which are
+        kept between saves (``dcp_datastates.async_save``); one per save running at once."""
+        with self._lock:
+            self.check_open()
+            if self._savers is None:
+                self._savers = ThreadPoolExecutor(
+                    MAX_SAVE_THREADS, thread_name_prefix="datastates-save"
+                )
+            return self._savers.submit(save, *args)
+
     def _plan_and_start(
         self,
         session: SnapshotSession,
@@ -503,14 +518,26 @@ class SnapshotRuntime:
             self.abort(stale.session, self._never_claimed_error(stale.session.rank))
         for s in sessions:
             if s.owner is not None and not s.owner.is_alive() and not s.flush_started:
-                self.abort(
-                    s,
-                    SnapshotAbortedError(
-                        f"rank {s.rank}: the DCP save thread {s.owner.name!r} exited before "
-                        "writing its snapshot (its save failed while planning; see that save's "
-                        "error); the snapshot was dropped and its pool space freed"
-                    ),
-                )
+                self.abort(s, self._unwritten_error(s, "exited"))
+
+    def save_ended(self) -> None:
+        """On a writer save thread (``run_save``), once its ``dcp.save`` returned or raised: a
+        session it claimed and never flushed is dropped as :meth:`reap_abandoned` drops one
+        whose DCP thread exited (this thread lives on for the next save)."""
+        me = threading.current_thread()
+        with self._lock:
+            mine = [s for s in self._sessions if s.owner is me and not s.flush_started]
+        for s in mine:
+            self.abort(s, self._unwritten_error(s, "ended its save"))
+
+    @staticmethod
+    def _unwritten_error(session: SnapshotSession, what: str) -> SnapshotAbortedError:
+        assert session.owner is not None
+        return SnapshotAbortedError(
+            f"rank {session.rank}: the DCP save thread {session.owner.name!r} {what} before "
+            "writing its snapshot (its save failed while planning; see that save's error); "
+            "the snapshot was dropped and its pool space freed"
+        )
 
     def _busy(self) -> list[SnapshotSession]:
         # caller holds self._lock
@@ -550,6 +577,9 @@ class SnapshotRuntime:
                 self.abort(s, self._dropped_error())
         if self._planner is not None:
             self._planner.shutdown(wait=True)  # a session dropped while planned stays empty
+        if self._savers is not None:
+            # Their saves retired above; close() may run on one of them (a done callback).
+            self._savers.shutdown(wait=False)
         res, self._resources = self._resources, None
         if res is not None:
             res.close()
@@ -570,6 +600,8 @@ class SnapshotRuntime:
             res, self._resources = self._resources, None
             if self._planner is not None:
                 self._planner.shutdown(wait=False)
+            if self._savers is not None:
+                self._savers.shutdown(wait=False)
         error = SnapshotAbortedError(
             f"the DataStatesWriter for {self.name} was garbage collected before this snapshot "
             "was written"
