@@ -70,7 +70,7 @@ FULL: dict[str, Any] = {
     "scale_sizes": "0.5,1,2,4",
     "scale_counts": "100,1000,5000,20000",
     "scale_count_gb": 0.1,
-    "scale_repeat_s": 2.0,
+    "scale_repeat_s": 4.0,
     "ranks_gb": 1.0,
     "s3_gb": 0.5,
     "ranks_worlds": "2,4",

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from bench_lib import load, report  # noqa: E402
+from bench_lib import load, report, scaling  # noqa: E402
 from bench_lib.common import Recorder  # noqa: E402
 
 MS = 1e-3
@@ -22,6 +22,7 @@ COUNT_BYTES = 100_000_000
 WORST_COUNT = "many tensors: ours / stock async blocked, worst count point"
 MOST_TENSORS = "many tensors: ours blocked s at the largest count"
 WARM_VERIFIED = "warm load, checksums verified: ours reader / best raw warm read"
+FIRST_SAVE = "first save after warm_up: safe / steady safe, worst size point"
 
 
 @pytest.fixture
@@ -80,44 +81,50 @@ def test_judge_is_limited_only_where_the_limit_fails_the_target_too(
     assert (verdict.value, verdict.result, verdict.detail) == (value, result, detail)
 
 
-def test_worst_count_is_limited_where_the_floor_is_over_the_line_at_every_missed_point(
+def test_worst_count_reads_medians_and_shows_the_floor_without_being_excused_by_it(
     rec: Recorder,
 ) -> None:
+    # The floor (dcp.async_save with a no-op stager) is over the line at both missed points,
+    # but dcp_datastates.async_save does not run under dcp.async_save: it limits nothing.
     _count_point(rec, 99, ours=[7, 2, 3], stock=[18, 20, 19], floor=[1.2, 1.0, 5.0])
     _count_point(rec, 999, ours=[3, 3, 3], stock=[35, 36, 34], floor=[2.0, 2.5, 2.2])
     _count_point(rec, 4998, ours=[6], stock=[166], floor=[1.0])  # met here: 1/28
     v = _verdict(rec, WORST_COUNT)
     # Medians, not the first save: ours 3 ms against stock 19 ms at 99 tensors.
     assert v.value == pytest.approx(3 / 19)
-    assert v.result == report.LIMITED, v.detail
-    # The limit is the floor's least share over the missed points (999: 2.2 / 35), not 4998's.
-    assert f"limit: {2.2 / 35:.4g} (missed at 99: " in v.detail
-    assert "4998: ours" not in v.detail and "999: ours 3.00 ms, floor 2.20 ms" in v.detail
-
-
-def test_worst_count_stays_missed_where_one_missed_point_has_its_floor_under_the_line(
-    rec: Recorder,
-) -> None:
-    _count_point(rec, 99, ours=[7], stock=[18], floor=[1.5])  # floor 1/12: over the line
-    _count_point(rec, 999, ours=[3], stock=[35], floor=[0.8])  # floor 1/44: ours to fix
-    v = _verdict(rec, WORST_COUNT)
     assert v.result == report.MISSED, v.detail
-    assert f"limit: {0.8 / 35:.4g}" in v.detail
+    assert v.detail == "99: 1/6 (floor 1/16), 999: 1/12 (floor 1/16), 4998: 1/28 (floor 1/166)"
 
 
-def test_worst_count_without_the_floor_is_missed_and_says_so(rec: Recorder) -> None:
-    _count_point(rec, 99, ours=[7], stock=[18])
+def test_worst_count_without_the_floor_is_judged_on_ours_alone(rec: Recorder) -> None:
+    _count_point(rec, 99, ours=[0.5], stock=[18])
     v = _verdict(rec, WORST_COUNT)
-    assert v.result == report.MISSED and "limit: n/a (no floor at 99 tensors)" in v.detail
+    assert v.result == report.MET and v.detail == "99: 1/36"
 
 
-def test_most_tensors_is_limited_only_if_the_floor_itself_is_over_20_ms(rec: Recorder) -> None:
+def test_most_tensors_shows_the_floor_beside_ours(rec: Recorder) -> None:
     _count_point(rec, 99, ours=[1], stock=[18], floor=[30])
     _count_point(rec, 19998, ours=[28, 27, 26], stock=[963], floor=[0.9, 1.1, 1.0])
     v = _verdict(rec, MOST_TENSORS)
     assert v.value == pytest.approx(27 * MS)
     assert v.result == report.MISSED, v.detail
-    assert "floor 1.00 ms at 19998 tensors; ours / floor 27.0x" in v.detail
+    assert v.detail == "19998 tensors: 27.0 ms (stock async 963.0 ms, floor 1.00 ms)"
+
+
+@pytest.mark.parametrize(("raw_first", "result"), [(0.75, report.LIMITED), (0.33, report.MISSED)])
+def test_first_save_is_limited_only_by_a_slow_first_copy_into_faulted_in_memory(
+    rec: Recorder, raw_first: float, result: str
+) -> None:
+    point = {"axis": "size", "bytes": 4_000_000_000, "tensors": 120}
+    for r, safe in enumerate([0.30, 0.29, 0.60]):  # the steady median: 0.30 s
+        rec.emit("scaling", report.OURS_FULL, {"safe_s": safe}, round=r, **point)
+    for safe in [0.95, 0.90, 0.40]:  # fresh writers after warm_up: median 0.90 s, 3x
+        rec.emit("scaling", scaling.WARM, {"safe_s": safe}, warm_up_s=2.0, **point)
+    rec.emit("scaling", scaling.FIRST_COPY, {"first_s": raw_first, "second_s": 0.30}, **point)
+    v = _verdict(rec, FIRST_SAVE)
+    assert v.value == pytest.approx(3.0)
+    assert v.result == result, v.detail
+    assert f"first {raw_first:.3f} s, second 0.300 s ({raw_first / 0.3:.2f}x)" in v.detail
 
 
 def _warm_load(rec: Recorder, **gb_per_s: float) -> None:
@@ -149,7 +156,7 @@ def test_count_point_share_reads_1_over_n_or_a_multiple(blocked: float, share: s
 def test_targets_table_and_scaling_table_show_the_verdict_and_the_floor(rec: Recorder) -> None:
     _count_point(rec, 99, ours=[7, 3, 3], stock=[18, 19, 20], floor=[1.2, 1.0, 1.1])
     table = report.targets_table(report._Figures(rec), [_target(WORST_COUNT)])
-    assert f"| {WORST_COUNT} | {3 / 19:.4g} | <= 0.05 | limited | 99: 1/6 (floor 1/17);" in table
+    assert f"| {WORST_COUNT} | {3 / 19:.4g} | <= 0.05 | MISSED | 99: 1/6 (floor 1/17) |" in table
     scaling = report.scaling_table(report._Figures(rec))
     assert scaling is not None
     header, _, row = scaling.split("\n\n")[1].splitlines()

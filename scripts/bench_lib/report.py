@@ -281,7 +281,8 @@ def scaling_table(f: _Figures) -> str | None:
         return None
     # Fixed columns: the floor (count axis only) beside stock async, whatever ran first.
     order = {n: i for i, n in enumerate(SCALING_COLUMNS)}
-    names = sorted(dict.fromkeys(r["system"] for r in recs), key=lambda n: order.get(n, len(order)))
+    systems_seen = dict.fromkeys(r["system"] for r in recs if r["system"] != scaling.FIRST_COPY)
+    names = sorted(systems_seen, key=lambda n: order.get(n, len(order)))
     points = list(dict.fromkeys((r["axis"], r["bytes"], r["tensors"]) for r in recs))
     rows = []
     for axis, nbytes, tensors in points:
@@ -321,7 +322,8 @@ def first_save_table(f: _Figures) -> str | None:
                 str(at["tensors"]),
                 _fmt(steady),
                 _times(first, steady),
-                _times(None if after is None else after.median, steady),
+                _times(None if after is None else after.median, steady)
+                + ("" if after is None or after.n < 2 else f" ({after.n} writers)"),
                 "-" if warm_up is None else f"{warm_up.median:.3f}",
             ]
         )
@@ -615,18 +617,11 @@ def _blocked_at_most_tensors(f: _Figures) -> tuple[float | None, str]:
     if not points:
         return None, "needs scaling"
     p = points[-1]
-    detail = f"{p.tensors} tensors: {p.ours * 1e3:.1f} ms (stock async {p.stock * 1e3:.1f} ms)"
-    return p.ours, detail
-
-
-def _floor_at_most_tensors(f: _Figures) -> tuple[float | None, str]:
-    """The floor's blocked seconds at the largest count: no stager blocks for less."""
-    points = _count_points(f)
-    if not points or points[-1].floor is None:
-        return None, "needs the floor at the largest count"
-    p = points[-1]
-    ratio = f"{p.ours / p.floor:.1f}x" if p.floor > 0 else "-"
-    return p.floor, f"floor {p.floor * 1e3:.2f} ms at {p.tensors} tensors; ours / floor {ratio}"
+    detail = f"{p.tensors} tensors: {p.ours * 1e3:.1f} ms (stock async {p.stock * 1e3:.1f} ms"
+    if p.floor is not None:
+        # Beside it, not a limit: dcp_datastates.async_save does not run under dcp.async_save.
+        detail += f", floor {p.floor * 1e3:.2f} ms"
+    return p.ours, detail + ")"
 
 
 def _blocked_worst_count(f: _Figures) -> tuple[float | None, str]:
@@ -639,25 +634,6 @@ def _blocked_worst_count(f: _Figures) -> tuple[float | None, str]:
         for p in points
     )
     return max(p.ours / p.stock for p in points), detail
-
-
-def _floor_where_ours_misses(f: _Figures) -> tuple[float | None, str]:
-    """The floor's share of stock over the count points where ours misses its share. The least
-    of them: the limit stops the target only if it stops it at every point ours misses (one
-    missed point whose floor is under the line is ours to fix, and the verdict stays MISSED)."""
-    missed = [p for p in _count_points(f) if p.stock > 0 and p.ours / p.stock > COUNT_SHARE]
-    if not missed:
-        return None, "ours misses at no count point"
-    unmeasured = [p.tensors for p in missed if p.floor is None]
-    if unmeasured:
-        return None, f"no floor at {', '.join(map(str, unmeasured))} tensors"
-    detail = ", ".join(
-        f"{p.tensors}: ours {p.ours * 1e3:.2f} ms, floor {p.floor * 1e3:.2f} ms "
-        f"({p.share(p.floor)} of stock)"
-        for p in missed
-        if p.floor is not None
-    )
-    return min(p.floor / p.stock for p in missed if p.floor is not None), "missed at " + detail
 
 
 def _first_save_after_warm_up(f: _Figures) -> tuple[float | None, str]:
@@ -732,14 +708,12 @@ TARGETS = [
         f"<= {MOST_TENSORS_S}",
         _blocked_at_most_tensors,
         lambda v: v <= MOST_TENSORS_S,
-        limit=_floor_at_most_tensors,
     ),
     Target(
         "many tensors: ours / stock async blocked, worst count point",
         f"<= {COUNT_SHARE}",
         _blocked_worst_count,
         lambda v: v <= COUNT_SHARE,
-        limit=_floor_where_ours_misses,
     ),
     Target(
         "first save after warm_up: safe / steady safe, worst size point",
