@@ -343,7 +343,9 @@ class SnapshotRuntime:
 
     def run_save(self, save: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``save(*args)`` (a ``dcp.save``) on one of the writer's save threads, which are
-        kept between saves (``dcp_datastates.async_save``); one per save running at once."""
+        kept between saves (``dcp_datastates.async_save``); one per save running at once. A
+        thread is idle again just after its save's future resolves, so a save started at once
+        from a callback or right after ``result()`` may start another (32 at most)."""
         with self._lock:
             self.check_open()
             if self._savers is None:
@@ -526,7 +528,9 @@ class SnapshotRuntime:
         whose DCP thread exited (this thread lives on for the next save)."""
         me = threading.current_thread()
         with self._lock:
-            mine = [s for s in self._sessions if s.owner is me and not s.flush_started]
+            mine = [
+                s for s in self._sessions if s.owner is me and not s.flush_started and not s.retired
+            ]
         for s in mine:
             self.abort(s, self._unwritten_error(s, "ended its save"))
 
