@@ -78,7 +78,16 @@ def prepare_buffers(count: int) -> int:
     with _spare_lock:
         missing = min(count, _MAX_SPARE) - len(_spare)
     for _ in range(max(0, missing)):
-        buf = _faulted_in(mmap.mmap(-1, DIRECT_BUFFER))
+        try:
+            buf = _faulted_in(mmap.mmap(-1, DIRECT_BUFFER))
+        except OSError as exc:  # memory exhausted: say what was being mapped and what to do
+            raise OSError(
+                exc.errno,
+                f"warm_up could not map the flush's direct-write buffer {made + 1} of "
+                f"{missing} ({DIRECT_BUFFER >> 20} MiB each, one per file written at once): "
+                f"{exc.strerror or exc}. Free host memory, or lower flush_workers or "
+                "host_pool_bytes; a save without warm_up maps them itself",
+            ) from exc
         with _spare_lock:
             if len(_spare) >= _MAX_SPARE:
                 buf.close()

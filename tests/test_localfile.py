@@ -232,6 +232,39 @@ def test_warm_up_maps_and_faults_in_one_direct_buffer_per_flush_file(tmp_path: P
     assert localfile._spare == []
 
 
+def test_warm_up_that_cannot_map_a_direct_buffer_says_what_and_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _direct_or_skip(tmp_path / "probe")
+    import torch
+
+    from dcp_datastates import DataStatesWriter
+
+    localfile.release_spare_buffers()
+    real_mmap, maps = mmap.mmap, []
+
+    def second_map_fails(fileno: int, length: int, *args: Any, **kwargs: Any) -> mmap.mmap:
+        if length == DIRECT_BUFFER:  # the pool's own mapping (another size) goes through
+            if maps:
+                raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+            maps.append(length)
+        return real_mmap(fileno, length, *args, **kwargs)
+
+    monkeypatch.setattr(localfile.mmap, "mmap", second_map_fails)
+    writer = DataStatesWriter(tmp_path / "ckpt", flush_workers=2, host_pool_bytes=1 << 20)
+    try:
+        with pytest.raises(OSError) as raised:
+            writer.warm_up({"w": torch.zeros(16)}, wait=True)
+        assert raised.value.errno == errno.ENOMEM
+        message = str(raised.value)
+        assert "direct-write buffer 2 of 2" in message and "Cannot allocate memory" in message
+        assert "flush_workers" in message
+    finally:
+        monkeypatch.undo()
+        writer.close()
+    assert localfile._spare == []
+
+
 def test_warm_up_prepares_no_direct_buffer_where_files_are_not_written_directly(
     tmp_path: Path,
 ) -> None:
