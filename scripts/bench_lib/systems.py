@@ -142,8 +142,9 @@ DCP_OURS = "ours via dcp.async_save, pool 1/1"
 
 
 class Floor(SaveSystem):
-    """``dcp.async_save`` through :class:`NoStageWriter`: the least any stager can block for,
-    since nothing is copied. The writer is built before the clock starts (ours is reused too)."""
+    """``dcp.async_save`` through :class:`NoStageWriter`: the least any stager under
+    ``dcp.async_save`` can block for, since nothing is copied. The writer is built before the
+    clock starts (ours is reused too)."""
 
     name = "floor: dcp.async_save, no-op stager"
 
@@ -228,8 +229,6 @@ class OursDcpAsync(OursAsync):
     reused writer and the full pool: the save runs on the thread ``dcp.async_save`` starts for
     it, where ``dcp_datastates.async_save`` (:class:`OursAsync`) uses the writer's own reused
     save threads (scaling scenario, count axis: what that difference costs the caller)."""
-
-    name = DCP_OURS
 
     def __init__(self, root: Path, state_bytes: int) -> None:
         super().__init__(root, state_bytes, 1)
