@@ -10,6 +10,7 @@ Each prints one line per point with stock figures of the same process; nothing i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -28,6 +29,10 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  
 
 from dcp_datastates import DataStatesWriter  # noqa: E402
 
+#: Every scratch directory, removed when the script exits, killed by Ctrl-C or failed: the
+#: checkpoints are GBs, and ones left behind by interrupted runs once filled the disk.
+SCRATCH = contextlib.ExitStack()
+
 
 def counts(arg: str) -> None:
     """Blocked time (wall, and CPU of the caller's thread) per system, saves alternated: stock
@@ -36,7 +41,7 @@ def counts(arg: str) -> None:
     rounds = int(os.environ.get("ROUNDS", "4"))
     for n in [int(x) for x in arg.split(",")]:
         sd = state.build(0.1e9, n)
-        d = tempfile.mkdtemp()
+        d = SCRATCH.enter_context(tempfile.TemporaryDirectory(prefix="bench_scale_"))
         eager = int(os.environ.get("EAGER", "4096"))
         walk = DataStatesWriter(f"{d}/walk", eager_copy_bytes=eager)
         ours = DataStatesWriter(f"{d}/ours", eager_copy_bytes=eager)
@@ -63,7 +68,6 @@ def counts(arg: str) -> None:
         assert ours._captures.replays == rounds - 1, "ours did not replay"
         walk.close()
         ours.close()
-        shutil.rmtree(d)
         line = f"tensors {len(state.tensors_of(sd))}:"
         for k in names:  # the first save of each is left out (pool, first layout)
             w, c = sorted(wall[k][1:]), sorted(cpu[k][1:])
@@ -77,7 +81,7 @@ def counts(arg: str) -> None:
 
 def first(gb: float, warm: bool) -> None:
     sd = state.build(gb * 1e9, 120)
-    d = tempfile.mkdtemp()
+    d = SCRATCH.enter_context(tempfile.TemporaryDirectory(prefix="bench_scale_"))
     w = DataStatesWriter(d)
     if warm:
         t = time.perf_counter()
@@ -95,7 +99,6 @@ def first(gb: float, warm: bool) -> None:
         )
         shutil.rmtree(f"{d}/c{i}")
     w.close()
-    shutil.rmtree(d)
 
 
 def copy(gb: float, workers: str) -> None:
@@ -115,20 +118,21 @@ def copy(gb: float, workers: str) -> None:
         stager.close()
         line = f"memcpy {mc:.3f}s ({gb / mc:.1f} GB/s) DefaultStager(cached) {st:.3f}s"
         for k in [int(x) for x in workers.split(",")]:
-            d = tempfile.mkdtemp()
-            w = DataStatesWriter(d, copy_workers=k)
-            w.warm_up(sd, wait=True)
-            for i in range(2):
-                f = dcp.async_save(sd, storage_writer=w, checkpoint_id=f"{d}/c{i}", no_dist=True)
-                f.result()
-            s = w.last_stats.safe_to_mutate_s
-            w.close()
-            shutil.rmtree(d)
+            with tempfile.TemporaryDirectory(prefix="bench_scale_") as d:
+                w = DataStatesWriter(d, copy_workers=k)
+                w.warm_up(sd, wait=True)
+                for i in range(2):
+                    f = dcp.async_save(
+                        sd, storage_writer=w, checkpoint_id=f"{d}/c{i}", no_dist=True
+                    )
+                    f.result()
+                s = w.last_stats.safe_to_mutate_s
+                w.close()
             line += f" | ours w={k} safe {s:.3f}s ({s / st:.2f}x)"
         print(line, flush=True)
 
 
-if __name__ == "__main__":
+def main() -> None:
     cmd = sys.argv[1]
     if cmd == "counts":
         counts(sys.argv[2])
@@ -138,3 +142,8 @@ if __name__ == "__main__":
         copy(float(sys.argv[2]), sys.argv[3])
     else:
         raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    with SCRATCH:
+        main()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,6 +28,27 @@ from dcp_datastates.providers.tensor import TensorProvider
 EVENT_TIMEOUT_S = 20.0
 
 MiB = 1 << 20
+
+#: Free space the suite needs where pytest keeps tmp_path (about 0.2 GB at its peak, measured with
+#: passed tests' directories removed as they end), with room to spare.
+NEEDED_FREE_BYTES = 1 << 30
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Stop at once, saying why, on a disk too full for the suite: otherwise hundreds of tests
+    fail one by one in tmp_path's setup with ENOSPC, as one CI run did."""
+    root = session.config.option.basetemp or tempfile.gettempdir()
+    probe = Path(root)
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < NEEDED_FREE_BYTES:
+        pytest.exit(
+            f"only {free / 2**30:.2f} GiB free at {probe}, where the tests write checkpoints; "
+            f"they need {NEEDED_FREE_BYTES / 2**30:.0f} GiB. Free space there (old checkpoints, "
+            "benchmark scratch), or point TMPDIR or --basetemp at a disk with room.",
+            returncode=3,
+        )
 
 
 @pytest.fixture
