@@ -3,6 +3,7 @@
     python scripts/bench_scale.py counts 100,1000,5000,20000    # blocked: ours vs stock async
     python scripts/bench_scale.py first 1.0 [--warm]             # first save vs steady, one writer
     python scripts/bench_scale.py copy 0.5 1,2,4                 # safe vs DefaultStager, by workers
+    python scripts/bench_scale.py cpu 8                          # CPU of a save of the train state
 
 Each prints one line per point with stock figures of the same process; nothing is asserted.
 ``EAGER=0`` sets ``eager_copy_bytes=0`` for ``counts``; ``ROUNDS`` its saves per system (4).
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 import warnings
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 warnings.filterwarnings("ignore")
@@ -132,6 +134,72 @@ def copy(gb: float, workers: str) -> None:
         print(line, flush=True)
 
 
+def cpu(saves: int) -> None:
+    """CPU seconds of one save of the train scenario's state (0.33 GB, AdamW) on an otherwise
+    idle process: all threads (``process_time``), and the thread time spent copying into the
+    pool and flushing; beside them a ``memcpy`` and a crc32c of as many bytes."""
+    from bench_lib.train import TrainConfig, _Trainee
+    from crc32c import crc32c
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import dcp_datastates
+    from dcp_datastates import flush as flush_mod
+    from dcp_datastates.snapshot import engine
+
+    spent: dict[str, float] = {"copy": 0.0, "flush": 0.0}
+
+    def on_thread_clock(name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.thread_time() - t
+
+        return timed
+
+    engine._copy_piece = on_thread_clock("copy", engine._copy_piece)
+    flush_mod._flush_file = on_thread_clock("flush", flush_mod._flush_file)
+    trainee = _Trainee.make(TrainConfig())
+    for _ in range(2):
+        trainee.step()
+    d = SCRATCH.enter_context(tempfile.TemporaryDirectory(prefix="bench_scale_"))
+    w = DataStatesWriter(d)
+    rows = []
+    for i in range(saves + 1):  # the first save (the pool's first use) is left out
+        msd, osd = get_state_dict(trainee.model, trainee.opt)
+        for k in spent:
+            spent[k] = 0.0
+        p, t = time.process_time(), time.perf_counter()
+        resp = dcp_datastates.async_save(
+            {"model": msd, "optim": osd, "step": i}, w, checkpoint_id=f"{d}/c{i}", no_dist=True
+        )
+        resp.upload_completion.result()
+        rows.append((time.process_time() - p, time.perf_counter() - t, *spent.values()))
+        del resp
+        shutil.rmtree(f"{d}/c{i}")
+    w.close()
+    nbytes = trainee.state_bytes
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    raw = {}
+    for name, fn in [("memcpy", lambda: dst.copy_(src)), ("crc32c", lambda: crc32c(src.numpy()))]:
+        fn()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        raw[name] = min(times)
+    cols = list(zip(*rows[1:], strict=True))
+    med = [sorted(c)[len(c) // 2] for c in cols]
+    print(
+        f"state {nbytes / 1e9:.2f} GB, {saves} saves, medians: process CPU {med[0]:.3f} s "
+        f"(min {min(cols[0]):.3f}), wall {med[1]:.3f} s, copy threads {med[2]:.3f} s, flush "
+        f"threads {med[3]:.3f} s | memcpy {raw['memcpy']:.3f} s, crc32c {raw['crc32c']:.3f} s"
+    )
+
+
 def main() -> None:
     cmd = sys.argv[1]
     if cmd == "counts":
@@ -140,6 +208,8 @@ def main() -> None:
         first(float(sys.argv[2]), "--warm" in sys.argv)
     elif cmd == "copy":
         copy(float(sys.argv[2]), sys.argv[3])
+    elif cmd == "cpu":
+        cpu(int(sys.argv[2]) if len(sys.argv) > 2 else 8)
     else:
         raise SystemExit(__doc__)
 
