@@ -12,9 +12,10 @@ or build the config directly: ``checkpoint=DataStatesCheckpointManager.Config(..
 
 What changes against TorchTitan's own manager (see docs/torchtitan.md):
 
-- ``async_mode="async"``: ``dcp.async_save`` with our writer as its stager: the lazy snapshot
-  replaces DCP's staging (``dcp.async_save`` returns in milliseconds, not after a full copy);
-  only the next ``optimizer.step()`` may wait for the snapshot.
+- ``async_mode="async"``: ``dcp_datastates.async_save`` (``dcp.async_save``'s steps with our
+  writer as its stager, on the writer's reused save threads): the lazy snapshot replaces DCP's
+  staging (the call returns in milliseconds, not after a full copy); only the next
+  ``optimizer.step()`` may wait for the snapshot.
 - ``async_mode="async_with_pinned_mem"``: no daemon process and no ``DefaultStager``: the same
   lazy snapshot into our reused host pool (pinned when CUDA is present), with
   ``maybe_wait_for_staging`` waiting for that snapshot.
@@ -115,14 +116,12 @@ class DataStatesCheckpointManager(CheckpointManager):
         writer = self._get_writer()
         ret: Future | AsyncSaveResponse | None
         if async_mode == AsyncMode.ASYNC:
-            # Our writer is its own stager and returns the state dict from stage(): DCP plans
-            # and flushes while the snapshot is in flight and returns a plain Future.
-            ret = dcp.async_save(
-                state_dict,
-                storage_writer=writer,
-                checkpoint_id=checkpoint_id,
-                process_group=self.pg,
-            )
+            # What dcp.async_save does with our writer as its own stager, on the writer's reused
+            # save threads instead of a thread started per save; TorchTitan's async mode keeps a
+            # plain Future (resolved once durable and committed) and never waits for staging.
+            ret = async_save(
+                state_dict, writer, checkpoint_id=checkpoint_id, process_group=self.pg
+            ).upload_completion
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             ret = async_save(state_dict, writer, checkpoint_id=checkpoint_id, process_group=self.pg)
         else:
