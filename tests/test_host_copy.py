@@ -18,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader
+from dcp_datastates.providers.tensor import TensorProvider
 
 
 def test_chunked_copies_of_views_are_byte_exact(tmp_path: Path, make_writer) -> None:
@@ -34,6 +35,18 @@ def test_chunked_copies_of_views_are_byte_exact(tmp_path: Path, make_writer) -> 
     dcp.load(loaded, storage_reader=DataStatesReader(tmp_path / "c"), no_dist=True)
     for key, value in state.items():
         assert torch.equal(loaded[key], value), key
+
+
+def test_a_storage_freed_after_staging_fails_the_copy_instead_of_reading_freed_memory() -> None:
+    # FSDP frees a storage by resizing it to 0; the provider's alias shares that storage. The raw
+    # memmove must not run past it (it read freed memory and crashed the process): torch's own
+    # bounds check refuses the copy.
+    live = torch.arange(1 << 20, dtype=torch.float32)
+    provider = TensorProvider("w", live)
+    live.untyped_storage().resize_(0)
+    dst = torch.empty(provider.nbytes, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="out of bounds for storage of size 0"):
+        provider.copy_into(dst, 0, provider.nbytes)
 
 
 _CHILD = textwrap.dedent(

@@ -83,9 +83,11 @@ class TensorProvider:
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, start: int, stop: int) -> None:
         if self._contiguous:
-            if src.device.type == "cpu" and dst.device.type == "cpu":
+            if src.is_cpu and dst.is_cpu and _holds(src, stop):  # dst: a pool view of the part
                 host_copy(dst.data_ptr(), src.data_ptr() + start, stop - start)
                 return
+            # A device copy, or a storage resized since stage() (FSDP frees storages by
+            # resizing them to 0): torch checks the bounds and raises.
             flat = src.reshape(-1) if src.dim() != 1 else src
             dst.copy_(flat.view(torch.uint8)[start:stop])
             return
@@ -215,6 +217,14 @@ def host_copy(dst: int, src: int, nbytes: int) -> None:
     s, all of it on the thread). The copy workers are this library's parallelism
     (``copy_workers``, chosen from the machine)."""
     ctypes.memmove(dst, src, nbytes)
+
+
+def _holds(t: torch.Tensor, nbytes: int) -> bool:
+    """Whether ``t`` is contiguous and its storage still has ``nbytes`` from its first element:
+    ``host_copy`` reads raw memory, so it must never run past a storage (one resized since the
+    provider was made would make it read freed memory)."""
+    offset = t.storage_offset() * t.element_size()
+    return t.is_contiguous() and offset + nbytes <= t.untyped_storage().nbytes()
 
 
 def probes_differ(probes: list[tuple[int, bytes]], dst_ptr: int, start: int, stop: int) -> bool:
