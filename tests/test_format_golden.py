@@ -95,6 +95,15 @@ def test_the_manifest_carries_its_own_checksum(saved: Path) -> None:
     assert decode_manifest(blob)  # and the reader accepts it
 
 
+def test_an_indented_manifest_of_earlier_versions_reads_the_same(saved: Path) -> None:
+    # Earlier versions wrote json.dumps(..., indent=1, sort_keys=True); the checksum covers the
+    # canonical bytes, not the layout, so both files must decode to the same entries.
+    blob = (saved / MANIFEST_NAME).read_bytes()
+    indented = json.dumps(json.loads(blob), indent=1, sort_keys=True).encode()
+    assert indented != blob
+    assert decode_manifest(indented) == decode_manifest(blob)
+
+
 def test_a_tensor_record_holds_the_raw_little_endian_values(saved: Path) -> None:
     record = stable_manifest(saved)["items"]["w@0,0"]
     blob = (saved / DATA_FILE).read_bytes()
