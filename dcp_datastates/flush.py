@@ -2,11 +2,14 @@
 
 Items are spread over ``flush_workers`` files per rank (``__{rank}_{n}.distcp``), balanced by
 bytes, each file keeping snapshot order; one thread writes one file, front to back, fsyncs it
-once, and releases every piece it wrote back to the pool right away.
+once, and releases every piece back to the pool as soon as its bytes are written. A big
+tensor's bytes go to a direct local file straight from the pool (``localfile.py``), the record
+padded so that they start on a block of the file.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -16,6 +19,7 @@ from crc32c import crc32c
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
+from . import localfile
 from .errors import DataStatesError, StorageWriteError
 from .format import DATA_SUFFIX, RecordInfo
 from .snapshot.engine import SnapshotSession
@@ -48,11 +52,15 @@ def _flush_file(
     results: list[WriteResult] = []
     pos = 0
     with storage.open_write(name, sync=sync) as f:
+        # A direct local file writes a big tensor's bytes from the pool, if they start on a
+        # block of the file (localfile.py): pad before such a record so that they do.
+        external = getattr(f, "write_external", None)
         for item in items:
             provider = session.providers[item.index]
-            start, crc = pos, 0
+            crc = 0
             payload = provider.payload
             if payload is not None:
+                start = pos
                 f.write(payload)
                 crc = crc32c(payload, value=crc)
                 data_offset, data_length = pos, len(payload)
@@ -60,15 +68,24 @@ def _flush_file(
             else:
                 frame = provider.frame
                 assert frame is not None
+                if external is not None and frame.data_length >= localfile.EXTERNAL_MIN:
+                    pad = -(pos + len(frame.head)) % localfile.ALIGN
+                    f.write(bytes(pad))  # zeros between records: no record covers them
+                    pos += pad
+                start = pos
                 f.write(frame.head)
                 crc = crc32c(frame.head, value=crc)
                 pos += len(frame.head)
                 data_offset, data_length = pos, frame.data_length
                 for slice_ in session.slices[item.index]:
+                    if external is not None and not session.ready(slice_):
+                        f.submit()  # never hold pool blocks while the snapshot needs space
                     data = session.wait(slice_)
-                    f.write(data)
                     crc = crc32c(data, value=crc)
-                    session.drop(slice_)
+                    drop = functools.partial(session.drop, slice_)
+                    if external is None or not external(data, drop):
+                        f.write(data)
+                        drop()
                 pos += data_length
                 f.write(frame.tail)
                 crc = crc32c(frame.tail, value=crc)

@@ -1,5 +1,5 @@
-"""How a local data file is written: direct I/O through an aligned buffer where the file system
-allows it, the page cache otherwise.
+"""How a local data file is written: direct I/O where the file system allows it, the page
+cache otherwise.
 
 A save writes each data file once, front to back, fsyncs it, and nobody reads it back soon.
 Through the page cache every byte costs a copy into freshly allocated cache pages (and, when
@@ -8,11 +8,19 @@ the file: on the 2-core VM of ``docs/benchmarks.md`` 1 GB of buffered ``write()`
 of CPU against 0.03-0.09 s with ``O_DIRECT`` from an aligned buffer, and one direct writer
 reached 1.45-1.58 GB/s against 0.21-0.78 GB/s buffered (``docs/benchmarks.md``, issue 11,
 "Durable throughput"). ``O_DIRECT`` needs the memory address, the file offset and the length
-of every write aligned to the device's block, which our records (a small head, the tensor's
-bytes, a small tail) are not: so bytes are gathered into an aligned buffer (one ``memmove``,
-which releases the GIL) and written in full buffers; the unaligned end of the file is written
-through the page cache after ``O_DIRECT`` is switched off, and the caller's ``fsync`` makes
-everything durable (data and the file's size) as before.
+of every write aligned to the device's block. Two ways in:
+
+- ``write``: bytes are gathered into an aligned buffer (one ``memmove``, which releases the GIL)
+  and written in full buffers. Records' heads and tails, small tensors and objects go this way.
+- ``write_external``: a tensor's bytes in the host pool, whose blocks start on ALIGN
+  (``snapshot/pool.py``), at a file offset on ALIGN (the flush pads before such a record,
+  ``flush.py``), are queued as they are, and written with the buffer's bytes before them in one
+  ``writev`` of up to ``DIRECT_BUFFER`` bytes: no copy. The pool block is released (the
+  caller's ``release``) once that write is done. Only the last partial block of the tensor is
+  copied into the buffer.
+
+The unaligned end of the file is written through the page cache after ``O_DIRECT`` is switched
+off, and the caller's ``fsync`` makes everything durable (data and the file's size) as before.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ._pages import populate_write
@@ -38,6 +47,12 @@ ALIGN = 4096
 DIRECT_BUFFER = 32 << 20
 #: Below this a copy is a slice assignment; above it a ``memmove`` that releases the GIL.
 _SMALL = 64 << 10
+#: Records whose data is at least this long get their data on an ALIGN boundary of the file
+#: (``flush.py`` writes up to ALIGN - 1 zero bytes before the record, which no record covers:
+#: at most 0.4% more file), so ``write_external`` can write it from the pool.
+EXTERNAL_MIN = 1 << 20
+#: Queued segments before a ``writev`` regardless of bytes (Linux takes at most 1024).
+_MAX_SEGMENTS = 256
 
 #: False writes every data file through the page cache (what benchmarks compare against).
 ENABLED = True
@@ -118,6 +133,16 @@ def release_spare_buffers() -> int:
     return len(spare) * DIRECT_BUFFER
 
 
+def _advance(segments: list[memoryview], done: int) -> list[memoryview]:
+    """``segments`` without their first ``done`` bytes."""
+    while segments and done >= segments[0].nbytes:
+        done -= segments[0].nbytes
+        segments = segments[1:]
+    if done:
+        segments = [segments[0][done:], *segments[1:]]
+    return segments
+
+
 def _address(view: memoryview) -> int | None:
     """Address of a writable buffer's first byte, or None for read-only ones (``bytes``)."""
     if view.readonly:
@@ -142,6 +167,11 @@ class DirectFile:
         self._cap = len(self._buf)
         self._fill = 0
         self._direct = True
+        # write_external's queue: segments in file order; the buffer's [0, _mark) is among them.
+        self._queue: list[memoryview] = []
+        self._queued = 0
+        self._mark = 0
+        self._releases: list[Callable[[], None]] = []
 
     @classmethod
     def open(cls, path: str) -> DirectFile | None:
@@ -165,6 +195,7 @@ class DirectFile:
         src = memoryview(data).cast("B")
         n = src.nbytes
         if not self._direct:  # what is still gathered goes first
+            self._submit()
             if self._fill:
                 self._write_all(self._view[: self._fill])
                 self._fill = 0
@@ -173,6 +204,10 @@ class DirectFile:
         pos = 0
         addr = _address(src) if n >= _SMALL else None
         while pos < n:
+            if self._fill == self._cap:
+                self._submit()  # frees the buffer's queued part
+                if self._fill == self._cap:
+                    self._drain(self._cap)
             take = min(n - pos, self._cap - self._fill)
             if addr is not None and take >= _SMALL:
                 ctypes.memmove(self._base + self._fill, addr + pos, take)  # type: ignore[operator]
@@ -180,9 +215,66 @@ class DirectFile:
                 self._view[self._fill : self._fill + take] = src[pos : pos + take]
             self._fill += take
             pos += take
-            if self._fill == self._cap:
-                self._drain(self._cap)
         return n
+
+    def aligned(self) -> bool:
+        """Whether the next byte written lands on an ALIGN boundary of the file."""
+        return (self._fill - self._mark) % ALIGN == 0
+
+    def write_external(self, data: memoryview, release: Callable[[], None]) -> bool:
+        """Write ``data`` without copying it where it lies aligned (its address, and the file
+        at ``aligned()``); ``release()`` runs once those bytes are written (or the file is
+        closed), and ``data`` must stay unchanged until then. False, with nothing done, where
+        it cannot: the caller then uses ``write``."""
+        src = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        whole = src.nbytes // ALIGN * ALIGN
+        addr = _address(src) if self._direct and whole else None
+        if addr is None or addr % ALIGN or not self.aligned():
+            return False
+        if self._fill > self._mark:  # the buffer's bytes before it go first
+            self._queue.append(self._view[self._mark : self._fill])
+            self._queued += self._fill - self._mark
+            self._mark = self._fill
+        self._queue.append(src[:whole])
+        self._queued += whole
+        self.write(src[whole:])  # may submit the queue, src's part with it: still unreleased
+        self._releases.append(release)
+        if self._queued >= self._cap or len(self._queue) >= _MAX_SEGMENTS:
+            self._submit()
+        return True
+
+    def submit(self) -> None:
+        """Write what ``write_external`` queued now (before waiting for anything that needs
+        the pool blocks it holds)."""
+        self._submit()
+
+    def _submit(self) -> None:
+        if not self._queue:
+            return
+        segments, self._queue, self._queued = self._queue, [], 0
+        releases, self._releases = self._releases, []
+        try:
+            while segments:
+                if not self._direct:
+                    done = os.writev(self._fd, segments)
+                else:
+                    try:
+                        done = os.writev(self._fd, segments)
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL:
+                            raise
+                        self._plain()
+                        continue
+                    if done % ALIGN:  # a short direct write left us unaligned
+                        self._plain()
+                segments = _advance(segments, done)
+        finally:
+            for release in releases:
+                release()
+        rest = self._fill - self._mark
+        if rest and self._mark:
+            self._view[:rest] = self._view[self._mark : self._fill]
+        self._fill, self._mark = rest, 0
 
     def _drain(self, nbytes: int) -> None:
         """Write the first ``nbytes`` (a multiple of ALIGN) of the buffer, keep the rest."""
@@ -218,6 +310,7 @@ class DirectFile:
         cache. Later writes go through the page cache."""
         if self._buf is None:
             return
+        self._submit()
         if self._direct:
             self._drain(self._fill // ALIGN * ALIGN)
         if self._direct:
@@ -228,6 +321,9 @@ class DirectFile:
         self._release()
 
     def _release(self) -> None:
+        releases, self._releases, self._queue = self._releases, [], []
+        for release in releases:  # closed unwritten: nothing reads those blocks any more
+            release()
         if self._buf is not None:
             self._view.release()
             _give_buffer(self._buf)
@@ -244,4 +340,4 @@ class DirectFile:
             os.close(fd)
 
 
-__all__ = ["ALIGN", "DIRECT_BUFFER", "DirectFile", "prepare_buffers"]
+__all__ = ["ALIGN", "DIRECT_BUFFER", "EXTERNAL_MIN", "DirectFile", "prepare_buffers"]

@@ -296,3 +296,151 @@ def test_populate_write_faults_in_exactly_the_pages_of_an_unaligned_range() -> N
     assert populate_write(buf)
     assert _resident_pages(buf) == 16
     buf.close()
+
+
+# -- write_external: a tensor's bytes written from where they lie (the pool) -------------------
+def _aligned_block(nbytes: int, seed: int) -> tuple[mmap.mmap, memoryview]:
+    """Page-aligned memory holding ``nbytes`` random bytes (as a pool block is)."""
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    view = memoryview(buf)[:nbytes]
+    view[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    return buf, view
+
+
+def test_aligned_memory_at_an_aligned_file_offset_is_written_without_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _direct_or_skip(tmp_path / "probe")
+    copied: list[int] = []
+    real_memmove = localfile.ctypes.memmove
+
+    def counting_memmove(dst: int, src: int, n: int) -> Any:
+        copied.append(n)
+        return real_memmove(dst, src, n)
+
+    monkeypatch.setattr(localfile.ctypes, "memmove", counting_memmove)
+    head = os.urandom(ALIGN - 100)
+    pad = bytes(100)
+    blocks = [_aligned_block(n, i) for i, n in enumerate([3 << 20, (5 << 20) + 17, 1 << 20])]
+    released: list[int] = []
+    with LocalStorage(tmp_path).open_write("data.bin", sync=True) as f:
+        f.write(head)
+        assert not f.aligned()
+        f.write(pad)
+        assert f.aligned()
+        for i, (_, view) in enumerate(blocks):
+            assert f.write_external(view, lambda i=i: released.append(i))
+            f.write(b"tail%d" % i)
+            f.write(bytes(-(len(b"tail%d" % i) + view.nbytes) % ALIGN))  # the next one aligned
+        assert released == []  # queued: the blocks are held until their bytes are written
+    assert released == [0, 1, 2]
+    expected = head + pad
+    for i, (_, view) in enumerate(blocks):
+        expected += bytes(view) + b"tail%d" % i + bytes(-(len(b"tail%d" % i) + view.nbytes) % ALIGN)
+    assert (tmp_path / "data.bin").read_bytes() == expected
+    assert max(copied, default=0) < 64 << 10  # no block went through the buffer's memmove
+
+
+def test_write_external_declines_what_it_cannot_write_directly(tmp_path: Path) -> None:
+    _direct_or_skip(tmp_path / "probe")
+    buf, view = _aligned_block(2 << 20, 7)
+    with LocalStorage(tmp_path).open_write("data.bin", sync=True) as f:
+        f.write(b"x")  # the file is not on a block boundary
+        assert not f.write_external(view, lambda: None)
+        f.write(bytes(ALIGN - 1))
+        assert not f.write_external(view[1:], lambda: None)  # the memory is not aligned
+        assert not f.write_external(memoryview(bytes(2 << 20)), lambda: None)  # read-only
+        assert not f.write_external(view[: ALIGN - 1], lambda: None)  # not one whole block
+    assert (tmp_path / "data.bin").read_bytes() == b"x" + bytes(ALIGN - 1)
+
+
+def test_a_direct_writev_refused_midway_finishes_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _direct_or_skip(tmp_path / "probe")
+    real_writev = os.writev
+    calls: list[bool] = []
+
+    def refuse_direct(fd: int, segments: Any) -> int:
+        calls.append(bool(_flags(fd) & os.O_DIRECT))
+        if calls[-1]:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_writev(fd, segments)
+
+    monkeypatch.setattr(localfile.os, "writev", refuse_direct)
+    _, view = _aligned_block(2 << 20, 8)
+    released: list[bool] = []
+    with LocalStorage(tmp_path).open_write("data.bin", sync=True) as f:
+        f.write(bytes(ALIGN))
+        assert f.write_external(view, lambda: released.append(True))
+        f.write(b"end")
+    assert calls == [True, False] and released == [True]
+    assert (tmp_path / "data.bin").read_bytes() == bytes(ALIGN) + bytes(view) + b"end"
+
+
+def test_a_file_closed_on_an_error_releases_what_it_queued(tmp_path: Path) -> None:
+    _direct_or_skip(tmp_path / "probe")
+    _, view = _aligned_block(2 << 20, 9)
+    released: list[bool] = []
+    storage = LocalStorage(tmp_path)
+    with pytest.raises(RuntimeError, match="flush failed"), storage.open_write("d", sync=True) as f:
+        assert f.write_external(view, lambda: released.append(True))
+        raise RuntimeError("flush failed")
+    assert released == [True]
+    assert not (tmp_path / "d").exists()
+
+
+def test_big_tensors_are_written_from_the_pool_at_aligned_offsets_and_load_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter
+    from dcp_datastates.format import MANIFEST_NAME, decode_manifest
+
+    _direct_or_skip(tmp_path / "probe")
+    taken: list[int] = []
+    real = DirectFile.write_external
+
+    def counting(self: DirectFile, data: memoryview, release: Any) -> bool:
+        ok = real(self, data, release)
+        if ok:
+            taken.append(data.nbytes)
+        return ok
+
+    monkeypatch.setattr(DirectFile, "write_external", counting)
+    torch.manual_seed(0)
+    # Big tensors of odd sizes between small ones and objects: each big one's data is padded
+    # onto a block of the file; small ones follow their neighbour directly.
+    state = {
+        "a": torch.randn(300_001),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.randn(513, 1025, dtype=torch.float64),
+        "note": {"step": 3},
+        "d": torch.randn(262_144),
+    }
+    writer = DataStatesWriter(tmp_path / "ckpt", flush_workers=1, chunk_bytes=2 << 20)
+    try:
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    finally:
+        writer.close()
+
+    entries = decode_manifest((tmp_path / "ckpt" / MANIFEST_NAME).read_bytes())
+    big = {k: e for k, e in entries.items() if e.data_length >= localfile.EXTERNAL_MIN}
+    assert sorted(big) == ["a@0", "c@0,0", "d@0"]
+    assert all(e.data_offset % ALIGN == 0 for e in big.values())
+    assert sum(taken) >= sum(e.data_length for e in big.values()) - len(taken) * ALIGN
+    ends = sorted((e.offset, e.offset + e.length) for e in entries.values())
+    assert all(b[0] - a[1] < ALIGN for a, b in zip(ends, ends[1:], strict=False))
+    blob = (tmp_path / "ckpt" / "__0_0.distcp").read_bytes()
+    c = big["c@0,0"]
+    assert blob[c.data_offset : c.data_offset + c.data_length] == state["c"].numpy().tobytes()
+
+    loaded = {k: torch.zeros_like(v) if torch.is_tensor(v) else v for k, v in state.items()}
+    loaded["note"] = {"step": 0}
+    dcp.load(loaded, checkpoint_id=tmp_path / "ckpt", no_dist=True)  # stock reader
+    for key, value in state.items():
+        if torch.is_tensor(value):
+            assert torch.equal(loaded[key], value), key
+    assert loaded["note"] == {"step": 3}

@@ -386,6 +386,10 @@ class SnapshotSession:
         self.fenced = True
         return True
 
+    def ready(self, slice_: Slice) -> bool:
+        """Whether ``wait(slice_)`` returns (or raises) without waiting."""
+        return slice_.piece.done.is_set()
+
     def wait(self, slice_: Slice) -> memoryview:
         """Block until the slice's piece is copied; its bytes as a memoryview of the pool."""
         piece = slice_.piece

@@ -21,7 +21,18 @@ from .hostmem import SLICE_BYTES, PopulatedBuffer
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 64
+#: Blocks start and end on 4 KiB: the flush writes a tensor's bytes straight from its block with
+#: ``O_DIRECT`` (``localfile.py``), which needs the memory address aligned to the device block.
+#: Parts inside a block stay 64-byte aligned (``engine.py``).
+ALIGN = 4096
+
+
+def block_slack(nbytes: int, coalesce_bytes: int) -> int:
+    """Bytes a pool needs above ``nbytes`` of pieces for the rounding of their blocks: each block
+    rounds up by less than ALIGN, and a block holds at least ``coalesce_bytes`` of a big tensor
+    or follows one (``engine.py``: small tensors share a block until a big one ends it), so there
+    are at most two blocks per ``coalesce_bytes``, and one more (0.8% with the default 1 MiB)."""
+    return ALIGN * (2 * (nbytes // max(ALIGN, coalesce_bytes)) + 2)
 
 
 #: Every pool not yet collected, for leak checks (``live_pools``).
@@ -33,8 +44,8 @@ def live_pools() -> list[HostPool]:
     return [p for p in list(_LIVE) if p.allocated_bytes]
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
 
 
 class HostPool:
@@ -48,8 +59,9 @@ class HostPool:
     pinned through the creating thread's device (the rank's own); the first reserve waits for it.
     """
 
-    def __init__(self, capacity: int, *, populate: bool = False) -> None:
-        self.capacity = _align(capacity)
+    def __init__(self, capacity: int, *, populate: bool = False, align: int = ALIGN) -> None:
+        self.align = align  # of every block's offset and size (tests use small ones)
+        self.capacity = _align(capacity, align)
         self._buffer: torch.Tensor | None = None
         self._cond = threading.Condition()
         self._blocks: collections.deque[list[int]] = collections.deque()  # [offset, size, live]
@@ -182,7 +194,7 @@ class HostPool:
         ``on_full`` runs once, before the first wait for space (a held-back flush may start);
         ``on_stall`` runs about once a second while waiting (to reap abandoned saves).
         """
-        size = _align(max(nbytes, 1))
+        size = _align(max(nbytes, 1), self.align)
         if size > self.capacity:
             raise ValueError(f"a {nbytes}-byte piece cannot fit a {self.capacity}-byte host pool")
         self._ensure_buffer()

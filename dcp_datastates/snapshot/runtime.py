@@ -46,7 +46,7 @@ from ..storage import Storage
 from . import forward_gate as _forward_gate
 from . import guard as _guard
 from .engine import SnapshotScheduler, SnapshotSession
-from .pool import HostPool
+from .pool import HostPool, block_slack
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +91,12 @@ def local_world_size() -> int:
 
 
 def auto_pool_bytes(options: WriterOptions, expected_bytes: int) -> int:
-    """The automatic pool size: what this rank will write, capped at this rank's share of the
-    node (``max_pool_fraction`` of physical memory divided by ``LOCAL_WORLD_SIZE``)."""
+    """The automatic pool size: what this rank will write and its blocks' rounding
+    (``block_slack``), capped at this rank's share of the node (``max_pool_fraction`` of
+    physical memory divided by ``LOCAL_WORLD_SIZE``)."""
     cap = int(physical_memory() * options.max_pool_fraction) // local_world_size()
-    return max(MIN_AUTO_POOL, min(int(expected_bytes), cap))
+    need = int(expected_bytes) + block_slack(int(expected_bytes), options.coalesce_bytes)
+    return max(MIN_AUTO_POOL, min(need, cap))
 
 
 class _Resources:
