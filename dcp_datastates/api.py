@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ._dcp_private import AsyncSaveCall, require_cpu_backend
 from .errors import CheckpointSaveError
+from .planner import StagedSavePlanner
 from .writer import _ANNOUNCED, DataStatesWriter, record_failure
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,8 @@ def _save_staged(staged: Any, writer: DataStatesWriter, save_kwargs: dict[str, A
     """On a writer save thread: what DCP's save thread runs, ``dcp.save`` of the staged state.
     The thread is reused, so what its exit told the writer is said here: the save's per-thread
     record is dropped, and so is a snapshot it claimed but never wrote (``save_ended``)."""
+    if save_kwargs.get("planner") is None:  # reuse the plan of the snapshot being saved
+        save_kwargs = {**save_kwargs, "planner": StagedSavePlanner(writer._staged_local_plan)}
     try:
         return dcp.save(staged, storage_writer=writer, **save_kwargs)
     finally:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from .errors import InvalidStateDictError
 from .providers import (
@@ -128,4 +128,56 @@ def plan_providers(
     planner.versions = versions
     planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=False)
     plan = planner.create_local_plan()
-    return [(item, planner.provider(item)) for item in plan.items]
+    return PlannedItems([(item, planner.provider(item)) for item in plan.items], plan)
+
+
+class PlannedItems(list):
+    """``plan_providers``' (item, provider) pairs, with the ``SavePlan`` they came from."""
+
+    def __init__(self, pairs: list[tuple[WriteItem, StateProvider]], local_plan: SavePlan):
+        super().__init__(pairs)
+        self.local_plan = local_plan
+
+
+class StagedSavePlanner(DataStatesSavePlanner):
+    """The planner of ``dcp_datastates.async_save``'s save thread (``api.py``).
+
+    ``dcp.save`` plans its state dict on the save thread: the same local planning the writer
+    already ran for the snapshot being saved (``plan_providers``, on its planning thread, on the
+    state ``stage()`` recorded). Where ``local_plan()`` finds that plan, it is this planner's
+    local plan; the state dict is flattened only if something resolves an item through this
+    planner (the writer writes the snapshot, so nothing does). Where it finds none (a process
+    executor's save, a plain ``dcp.save``), this is a ``DataStatesSavePlanner``. The global plan
+    and the metadata are DCP's, as before. On the train scenario's state (350 items) the save
+    thread's local planning took 25 ms of CPU per save; at 20,000 items it is linear in them.
+    """
+
+    def __init__(self, local_plan: Callable[[], SavePlan | None]) -> None:
+        super().__init__()
+        self._find_plan = local_plan
+        self._reused: SavePlan | None = None
+        self._flattened = True
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        self._reused = self._find_plan()
+        if self._reused is None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            return
+        self.state_dict, self.is_coordinator = state_dict, is_coordinator
+        self.mappings = self._reused.planner_data
+        self._flattened = False
+        self._set_up_args = (state_dict, storage_meta, is_coordinator)
+
+    def create_local_plan(self) -> SavePlan:
+        if self._reused is None:
+            return super().create_local_plan()
+        self.plan = self._reused
+        return self.plan
+
+    def lookup_object(self, index: Any) -> Any:  # resolve_data goes through it
+        if not self._flattened:
+            super().set_up_planner(*self._set_up_args)
+            self._flattened = True
+        return super().lookup_object(index)

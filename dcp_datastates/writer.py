@@ -397,6 +397,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.session, save.stats, save.started = session, stats, session.created
         return save
 
+    def _staged_local_plan(self) -> SavePlan | None:
+        """The local plan of the snapshot this thread's save claimed, when the writer planned it
+        (``planner.StagedSavePlanner``); None otherwise."""
+        save = getattr(self._local, "save", None)
+        if save is None or save.done or save.session is None:
+            return None
+        return save.session.local_plan
+
     def _save(self) -> _Save:
         save = getattr(self._local, "save", None)
         if save is None or save.done:

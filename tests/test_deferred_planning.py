@@ -195,3 +195,78 @@ def test_a_forward_waits_for_planning_so_its_buffers_are_frozen(tmp_path: Path, 
     loaded = load_like(tmp_path / "ckpt", target, "datastates")
     for key, value in before.items():
         assert torch.equal(loaded["model"][key], value), key
+
+
+@pytest.fixture
+def local_planning(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that run DCP's local planning, in order."""
+    from torch.distributed.checkpoint import default_planner
+
+    threads: list[str] = []
+    real = default_planner.create_default_local_save_plan
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(default_planner, "create_default_local_save_plan", recording)
+    return threads
+
+
+def _metadata(path: Path) -> Any:
+    import pickle
+
+    return pickle.loads((path / METADATA_NAME).read_bytes())
+
+
+def test_the_save_thread_reuses_the_plan_of_the_snapshot(
+    tmp_path: Path, local_planning: list[str]
+) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    state = {"model": model.state_dict(), "extra": {"step": 4, "lr": [0.1, 0.2]}}
+    writer = DataStatesWriter(tmp_path / "ours")
+    try:
+        for _ in range(2):  # the walk, then the replay of its layout
+            local_planning.clear()
+            async_save(state, writer, no_dist=True).upload_completion.result(EVENT_TIMEOUT_S)
+            assert len(local_planning) == 1 and local_planning[0].startswith("datastates-plan")
+    finally:
+        writer.close()
+
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "stock"), no_dist=True)
+    ours, stock = _metadata(tmp_path / "ours"), _metadata(tmp_path / "stock")
+    assert ours.state_dict_metadata == stock.state_dict_metadata
+    assert ours.planner_data == stock.planner_data
+    loaded = load_like(tmp_path / "ours", state, "stock")
+    assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+    assert loaded["extra"] == state["extra"]
+
+
+def test_a_key_added_after_stage_is_not_saved(tmp_path: Path, gated: Any) -> None:
+    # The snapshot is the state at the call, whatever the dict holds by the time DCP plans.
+    writer = gated()
+    state: dict[str, Any] = {"w": torch.arange(4096.0)}
+    response = async_save(state, writer, no_dist=True)
+    state["late"] = torch.zeros(3)
+    writer.gate.set()
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert set(_metadata(tmp_path / "ckpt").state_dict_metadata) == {"w"}
+
+
+def test_a_planner_given_to_async_save_plans_on_the_save_thread(
+    tmp_path: Path, local_planning: list[str]
+) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    state = {"w": torch.arange(4096.0), "step": 2}
+    writer = DataStatesWriter(tmp_path / "ckpt")
+    try:
+        response = async_save(state, writer, no_dist=True, planner=DefaultSavePlanner())
+        response.upload_completion.result(EVENT_TIMEOUT_S)
+    finally:
+        writer.close()
+    assert any(name.startswith("datastates-save") for name in local_planning), local_planning
+    assert torch.equal(load_like(tmp_path / "ckpt", state, "stock")["w"], state["w"])

@@ -116,6 +116,9 @@ class SnapshotSession:
         self.created = time.monotonic()
         self.staged_at: float | None = None
         self.owner: threading.Thread | None = None  # the DCP thread that flushes it
+        #: The DCP ``SavePlan`` the items came from, when they were planned by the writer: the
+        #: save thread's planner reuses it (``planner.StagedSavePlanner``).
+        self.local_plan: Any = None
         self.flush_started = False
         self.flush_done = False
         #: Seconds optimizer steps waited for this session (set by the guard).

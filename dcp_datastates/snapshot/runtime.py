@@ -219,6 +219,7 @@ class SnapshotRuntime:
             coalesce_bytes=res.coalesce_bytes,
             rank=rank,
         )
+        session.local_plan = getattr(items, "local_plan", None)
         self._check_fits(session, res.pool)
         session.on_retired = self._retired
         with self._lock:
@@ -380,6 +381,7 @@ class SnapshotRuntime:
                     coalesce_bytes=res.coalesce_bytes,
                 )
                 if planned:
+                    session.local_plan = getattr(items, "local_plan", None)
                     self._check_fits(session, res.pool)
             except BaseException as exc:  # reaches the save through its flush, once
                 session.plan_failed(exc)
