@@ -25,6 +25,7 @@ from conftest import EVENT_TIMEOUT_S, GatedTensorProvider, failure_of, load_like
 
 from dcp_datastates import CheckpointSaveError, SnapshotMutationError, async_save
 from dcp_datastates.format import METADATA_NAME
+from dcp_datastates.providers import TensorProvider
 
 N = 4096  # float32 elements: 16 KiB, probes at bytes [0, 32), [8192, 8224), [16352, 16384)
 
@@ -125,3 +126,28 @@ def test_limitation_a_write_missing_every_sampled_byte_commits_a_torn_checkpoint
     response.upload_completion.result(timeout=EVENT_TIMEOUT_S)  # not detected: it commits
     loaded = load_like(tmp_path, state, "datastates")["w"]
     assert loaded[index] == 7.0 and before[index] != 7.0, "the save caught it: update the docs"
+
+
+# -- a write right after the copy ------------------------------------------------------------------
+class _WrittenRightAfterItsCopy(TensorProvider):
+    """A real provider whose live tensor is written in place the moment its copy returns: what a
+    forward does to a buffer whose snapshot was complete when the forward gate looked (the gate
+    then leaves it alone). The copy thread's check came after that moment and failed the save."""
+
+    def copy_into(self, dst: torch.Tensor, start: int, stop: int) -> None:
+        super().copy_into(dst, start, stop)
+        assert self.source is not None
+        self.source.add_(1.0)
+
+
+def test_a_write_after_the_last_part_was_copied_does_not_fail_the_snapshot(
+    tmp_path: Path, make_writer: Any, registered_providers: Any
+) -> None:
+    registered_providers(torch.nn.Parameter, _WrittenRightAfterItsCopy)
+    weight = torch.nn.Parameter(torch.randn(N), requires_grad=False)
+    at_call = weight.detach().clone()
+    writer = make_writer(tmp_path, guard_optimizer_step=False, eager_copy_bytes=0)
+    async_save({"w": weight}, writer, no_dist=True).upload_completion.result(EVENT_TIMEOUT_S)
+    assert not torch.equal(weight.detach(), at_call)  # written after the copy
+    loaded = load_like(tmp_path, {"w": torch.zeros(N)}, "stock")
+    assert torch.equal(loaded["w"], at_call)

@@ -43,6 +43,9 @@ class TensorProvider:
         self._torn: int | None = None  # live version seen by a freeze that came too late
         self.parts = 0  # copy parts the snapshot planned for this provider
         self._parts_done = 0  # an undercount under concurrent copies, never an overcount
+        #: Host parts whose bytes were checked unchanged right after their copy, before they
+        #: counted as done: once all are, a later write cannot have reached the snapshot.
+        self._parts_verified = 0
 
     @property
     def nbytes(self) -> int:
@@ -124,7 +127,15 @@ class TensorProvider:
                 self._copy(frozen, dst, start, stop)
         if self._contiguous:
             self._check_probes(dst, start, stop)
+        verified = src is live and src.is_cpu and dst.is_cpu  # a host copy is done on return
+        if verified:
+            # Checked before the part counts as done: from then on freeze() leaves the live
+            # tensor to the caller's forward, and a write right after it must not fail a
+            # snapshot whose bytes were whole (the check after the copy used to see it).
+            self.check_unchanged(_rank())
         self._parts_done += 1
+        if verified:
+            self._parts_verified += 1
 
     def _check_probes(self, dst: torch.Tensor, start: int, stop: int) -> None:
         """Compare the copied bytes with those sampled at stage time, where this chunk has any:
@@ -148,6 +159,8 @@ class TensorProvider:
             )
         if self._frozen is not None:
             return  # copies read the private copy, which nothing else can change
+        if self.parts and self._parts_verified >= self.parts:
+            return  # every byte was copied before any change (copy_into)
         live = self.source
         now = live._version if live is not None else self._version
         if now != self._version:
