@@ -128,10 +128,13 @@ class TensorProvider:
         if self._contiguous:
             self._check_probes(dst, start, stop)
         verified = src is live and src.is_cpu and dst.is_cpu  # a host copy is done on return
-        if verified:
-            # Checked before the part counts as done: from then on freeze() leaves the live
-            # tensor to the caller's forward, and a write right after it must not fail a
-            # snapshot whose bytes were whole (the check after the copy used to see it).
+        # Checked before the part counts as done: from then on freeze() leaves the live tensor
+        # to the caller's forward, and a write right after it must not fail a snapshot whose
+        # bytes were whole (the check after the copy used to see it). The rank is looked up
+        # only where the check may raise.
+        if verified and (
+            self._frozen is not None or self._torn is not None or live._version != self._version
+        ):
             self.check_unchanged(_rank())
         self._parts_done += 1
         if verified:

@@ -77,6 +77,8 @@ class HostPool:
         self._populating: PopulatedBuffer | None = None
         self._populator: threading.Thread | None = None
         self._closing = False
+        #: (buffer, memoryview of it) for ``memoryview``; dropped with the buffer.
+        self._whole: tuple[torch.Tensor, memoryview] | None = None
         if _cuda.pinning():
             device = _cuda.current_device()
             self._allocation = threading.Thread(
@@ -154,7 +156,13 @@ class HostPool:
         return self._buffer[offset : offset + nbytes]
 
     def memoryview(self, offset: int, nbytes: int) -> memoryview:
-        return memoryview(self.view(offset, nbytes).numpy())
+        # One view of the whole buffer, sliced: a tensor slice and its numpy array per call
+        # cost more than the flush's own work for a small record (20,000 of them a save).
+        whole = self._whole
+        if whole is None or whole[0] is not self._buffer:
+            assert self._buffer is not None
+            whole = self._whole = (self._buffer, memoryview(self._buffer.numpy()))
+        return whole[1][offset : offset + nbytes]
 
     def _try_reserve(self, size: int) -> int | None:
         if not self._blocks:
@@ -247,6 +255,7 @@ class HostPool:
             self._populator = None
         with self._cond:
             self._buffer = None
+            self._whole = None
             self._populating = None
         if self._allocation is not None:
             self._allocation.join()
@@ -258,6 +267,7 @@ class HostPool:
         self._allocated.clear()  # a pinning still running is dropped when it ends
         with self._cond:
             self._buffer = None
+            self._whole = None
             self._blocks.clear()
             self._by_offset.clear()
             self.in_use = 0
