@@ -8,6 +8,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
@@ -154,11 +155,20 @@ def _save_staged(staged: Any, writer: DataStatesWriter, save_kwargs: dict[str, A
         writer._runtime.save_ended()  # a snapshot it claimed and never wrote is dropped
 
 
+#: Values that are never ``Stateful`` (exact types): no protocol check for them, which costs
+#: 7-9 us a value (``runtime_checkable`` inspects the type), on the caller.
+_PLAIN_TYPES = frozenset(
+    {dict, list, tuple, str, int, float, bool, type(None), bytes, torch.Tensor, torch.nn.Parameter}
+)
+
+
 def _stateful_to_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     """As ``dcp.async_save`` does on the caller: a shallow copy in which every ``Stateful``
     value is replaced by its ``state_dict()``."""
     return {
-        key: value.state_dict() if isinstance(value, Stateful) else value
+        key: value.state_dict()
+        if type(value) not in _PLAIN_TYPES and isinstance(value, Stateful)
+        else value
         for key, value in state_dict.items()
     }
 
