@@ -52,11 +52,11 @@ def assign_files(
 _JOINED_MAX = 64 << 10
 
 
-def _wait(session: SnapshotSession, slice_: Any, direct: Any) -> memoryview:
-    """The slice's bytes once copied; a direct file first writes what it queued from the pool,
-    so that it never holds pool blocks while the snapshot waits for space."""
-    if direct is not None and not session.ready(slice_):
-        direct.submit()
+def _wait(session: SnapshotSession, slice_: Any, submit: Any) -> memoryview:
+    """The slice's bytes once copied; a direct file first writes what it queued from the pool
+    (``submit``), so that it never holds pool blocks while the snapshot waits for space."""
+    if submit is not None and not session.ready(slice_):
+        submit()
     return session.wait(slice_)
 
 
@@ -69,14 +69,14 @@ def _flush_file(
         # A direct local file writes a big tensor's bytes from the pool, if they start on a
         # block of the file (localfile.py): pad before such a record so that they do.
         external = getattr(f, "write_external", None)
+        submit = getattr(f, "submit", None)
         for item in items:
             provider = session.providers[item.index]
-            crc = 0
             payload = provider.payload
             if payload is not None:
                 start = pos
                 f.write(payload)
-                crc = crc32c(payload, value=crc)
+                crc = crc32c(payload)
                 data_offset, data_length = pos, len(payload)
                 pos += data_length
             else:
@@ -92,7 +92,7 @@ def _flush_file(
                 data_offset, data_length = pos + len(frame.head), frame.data_length
                 if len(slices) == 1 and data_length <= _JOINED_MAX:
                     # A small tensor: its record in one piece, one write and one checksum.
-                    data = _wait(session, slices[0], f if external is not None else None)
+                    data = _wait(session, slices[0], submit)
                     record = b"".join((frame.head, data, frame.tail))
                     session.drop(slices[0])
                     f.write(record)
@@ -102,7 +102,7 @@ def _flush_file(
                     f.write(frame.head)
                     crc = crc32c(frame.head)
                     for slice_ in slices:
-                        data = _wait(session, slice_, f if external is not None else None)
+                        data = _wait(session, slice_, submit)
                         crc = crc32c(data, value=crc)
                         drop = functools.partial(session.drop, slice_)
                         if not direct or not external(data, drop):

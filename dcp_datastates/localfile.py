@@ -195,7 +195,7 @@ class DirectFile:
         src = memoryview(data).cast("B")
         n = src.nbytes
         if not self._direct:  # what is still gathered goes first
-            self._submit()
+            self.submit()
             if self._fill:
                 self._write_all(self._view[: self._fill])
                 self._fill = 0
@@ -205,7 +205,7 @@ class DirectFile:
         addr = _address(src) if n >= _SMALL else None
         while pos < n:
             if self._fill == self._cap:
-                self._submit()  # frees the buffer's queued part
+                self.submit()  # frees the buffer's queued part
                 if self._fill == self._cap:
                     self._drain(self._cap)
             take = min(n - pos, self._cap - self._fill)
@@ -240,33 +240,27 @@ class DirectFile:
         self.write(src[whole:])  # may submit the queue, src's part with it: still unreleased
         self._releases.append(release)
         if self._queued >= self._cap or len(self._queue) >= _MAX_SEGMENTS:
-            self._submit()
+            self.submit()
         return True
 
     def submit(self) -> None:
         """Write what ``write_external`` queued now (before waiting for anything that needs
-        the pool blocks it holds)."""
-        self._submit()
-
-    def _submit(self) -> None:
+        the pool blocks it holds), then release those blocks."""
         if not self._queue:
             return
         segments, self._queue, self._queued = self._queue, [], 0
         releases, self._releases = self._releases, []
         try:
             while segments:
-                if not self._direct:
+                try:
                     done = os.writev(self._fd, segments)
-                else:
-                    try:
-                        done = os.writev(self._fd, segments)
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:
-                            raise
-                        self._plain()
-                        continue
-                    if done % ALIGN:  # a short direct write left us unaligned
-                        self._plain()
+                except OSError as exc:
+                    if not self._direct or exc.errno != errno.EINVAL:
+                        raise
+                    self._plain()  # refused direct: the rest through the page cache
+                    continue
+                if self._direct and done % ALIGN:  # a short direct write left us unaligned
+                    self._plain()
                 segments = _advance(segments, done)
         finally:
             for release in releases:
@@ -310,7 +304,7 @@ class DirectFile:
         cache. Later writes go through the page cache."""
         if self._buf is None:
             return
-        self._submit()
+        self.submit()
         if self._direct:
             self._drain(self._fill // ALIGN * ALIGN)
         if self._direct:

@@ -156,7 +156,8 @@ class StagedSavePlanner(DataStatesSavePlanner):
         super().__init__()
         self._find_plan = local_plan
         self._reused: SavePlan | None = None
-        self._flattened = True
+        #: set_up_planner's arguments while the state dict is not flattened yet.
+        self._unflattened: tuple[Any, ...] | None = None
 
     def set_up_planner(
         self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
@@ -167,8 +168,7 @@ class StagedSavePlanner(DataStatesSavePlanner):
             return
         self.state_dict, self.is_coordinator = state_dict, is_coordinator
         self.mappings = self._reused.planner_data
-        self._flattened = False
-        self._set_up_args = (state_dict, storage_meta, is_coordinator)
+        self._unflattened = (state_dict, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
         if self._reused is None:
@@ -177,7 +177,7 @@ class StagedSavePlanner(DataStatesSavePlanner):
         return self.plan
 
     def lookup_object(self, index: Any) -> Any:  # resolve_data goes through it
-        if not self._flattened:
-            super().set_up_planner(*self._set_up_args)
-            self._flattened = True
+        if self._unflattened is not None:
+            args, self._unflattened = self._unflattened, None
+            super().set_up_planner(*args)
         return super().lookup_object(index)

@@ -270,3 +270,17 @@ def test_a_planner_given_to_async_save_plans_on_the_save_thread(
         writer.close()
     assert any(name.startswith("datastates-save") for name in local_planning), local_planning
     assert torch.equal(load_like(tmp_path / "ckpt", state, "stock")["w"], state["w"])
+
+
+def test_a_reused_plan_still_resolves_items_through_the_planner() -> None:
+    # Nothing in the writer resolves items through StagedSavePlanner, but DCP's API allows it:
+    # the state dict is flattened then, and the item found as DefaultSavePlanner finds it.
+    from dcp_datastates.planner import StagedSavePlanner, plan_providers
+
+    state = {"model": {"w": torch.arange(6.0)}, "step": 3}
+    local_plan = plan_providers(state).local_plan
+    planner = StagedSavePlanner(lambda: local_plan)
+    planner.set_up_planner(state, None, True)
+    assert planner.create_local_plan() is local_plan
+    w = next(i for i in local_plan.items if i.index.fqn == "model.w")
+    assert torch.equal(planner.resolve_data(w), state["model"]["w"])

@@ -77,8 +77,8 @@ class HostPool:
         self._populating: PopulatedBuffer | None = None
         self._populator: threading.Thread | None = None
         self._closing = False
-        #: (buffer, memoryview of it) for ``memoryview``; dropped with the buffer.
-        self._whole: tuple[torch.Tensor, memoryview] | None = None
+        #: A memoryview of the whole buffer, for ``memoryview``; dropped with the buffer.
+        self._whole: memoryview | None = None
         if _cuda.pinning():
             device = _cuda.current_device()
             self._allocation = threading.Thread(
@@ -158,11 +158,10 @@ class HostPool:
     def memoryview(self, offset: int, nbytes: int) -> memoryview:
         # One view of the whole buffer, sliced: a tensor slice and its numpy array per call
         # cost more than the flush's own work for a small record (20,000 of them a save).
-        whole = self._whole
-        if whole is None or whole[0] is not self._buffer:
+        if self._whole is None:
             assert self._buffer is not None
-            whole = self._whole = (self._buffer, memoryview(self._buffer.numpy()))
-        return whole[1][offset : offset + nbytes]
+            self._whole = memoryview(self._buffer.numpy())
+        return self._whole[offset : offset + nbytes]
 
     def _try_reserve(self, size: int) -> int | None:
         if not self._blocks:
