@@ -31,6 +31,13 @@ from dcp_datastates import DataStatesWriter  # noqa: E402
 from dcp_datastates.checkpointer import Checkpointer  # noqa: E402
 
 
+def say(line: str) -> None:
+    """One line to the test, in one write: print() writes the text and its newline apart, so a
+    line from the save thread could land inside the training loop's (the test reads lines)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 class Model(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -94,7 +101,7 @@ class BlockingWriter(DataStatesWriter):
     def finish(self, metadata: Any, results: Any) -> None:
         type(self).free -= 1
         if type(self).free < 0:
-            print("finish blocked", flush=True)
+            say("finish blocked")
             threading.Event().wait()
         super().finish(metadata, results)
 
@@ -135,7 +142,7 @@ def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None
     try:
         start = ck.load_latest({"app": app})
         report["resumed"] = start
-        print(f"resumed {start} digest {digest(app)}", flush=True)
+        say(f"resumed {start} digest {digest(app)}")
         step = start or 0
         while step < cfg["max_steps"]:
             step += 1
@@ -144,12 +151,12 @@ def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None
             if cfg["self_signal"] == f"{rank}:{step}":
                 os.kill(os.getpid(), signal.SIGTERM)
             line = f"step {step} digest {report['digests'][step]} latest {ck.latest_step()}"
-            print(line, flush=True)
+            say(line)
             try:
                 ck.maybe_save(step, {"app": app})
             except SystemExit:
                 report["ended"] = f"preempted {step}"
-                print(f"preempted {step}", flush=True)
+                say(f"preempted {step}")
                 raise
         ck.close()
         report["ended"] = "finished"
