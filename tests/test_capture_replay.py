@@ -154,7 +154,6 @@ def test_new_containers_holding_the_same_tensors_replay(saver: Saver) -> None:
         "rename_key",
         "resize_small",
         "retype_small",
-        "shrink_big_data",
         "grow_small_data",
         "scalar_to_tensor",
         "parameter_to_tensor",
@@ -178,8 +177,6 @@ def test_a_changed_layout_is_walked_again_and_committed(saver: Saver, change: st
         model["b2"].resize_(4)  # the whole group: torch.stack would not notice by itself
     elif change == "retype_small":
         model["b1"].data = torch.ones(8, dtype=torch.float64)  # no version bump
-    elif change == "shrink_big_data":
-        model["w1"].data = torch.ones(4)  # now small: copied eagerly, as the walk would
     elif change == "grow_small_data":
         model["b1"].data = torch.ones(64, 64)
     elif change == "parameter_to_tensor":
@@ -203,6 +200,44 @@ def test_a_changed_layout_is_walked_again_and_committed(saver: Saver, change: st
     assert saver.counts == (0, 2)
     saver.save(state)  # the new layout replays
     assert saver.counts == (1, 2)
+
+
+def test_a_big_tensor_resized_between_saves_replays_and_its_size_is_learnt_for_the_next(
+    saver: Saver,
+) -> None:
+    """The size of a big tensor is not checked on the caller: one resized since the last save
+    is saved as a big one (read live, version-checked); the planning thread learns the layout
+    again, so the next save copies the now small tensor eagerly, as the walk would."""
+    state = make_state()
+    saver.save(state)
+    model = state["model"]
+    model["w1"].data = torch.ones(4)  # no version bump; now small
+    saver.save(state)
+    assert saver.counts == (1, 1)
+    # Copied eagerly now: an in-place change right after the call leaves the checkpoint alone
+    # (a big tensor changed there fails the save with SnapshotMutationError).
+    loaded = saver.save(state, after_call=lambda: model["w1"].add_(1))
+    assert saver.counts == (2, 1)
+    assert torch.equal(loaded["model"]["w1"], torch.ones(4))
+
+
+def test_a_tensor_replaced_by_a_meta_tensor_fails_that_save_and_the_next_commits(
+    saver: Saver,
+) -> None:
+    """Without an accelerator the replay does not check devices (no tensor can be on one):
+    a ``meta`` tensor, which has no bytes, fails the save in its copy, as it does on the
+    caller's path, and the writer saves again."""
+    state = make_state()
+    saver.save(state)
+    real = state["model"]["w1"]
+    state["model"]["w1"] = torch.empty(64, 64, device="meta")
+    future = dcp.async_save(
+        state, storage_writer=saver.writer, checkpoint_id=str(saver.root / "meta"), no_dist=True
+    )
+    with pytest.raises(BaseException, match="meta tensor"):
+        future.result(timeout=EVENT_TIMEOUT_S)
+    state["model"]["w1"] = real
+    saver.save(state)
 
 
 def test_a_replayed_save_holds_no_reference_to_the_saved_tensors(saver: Saver) -> None:

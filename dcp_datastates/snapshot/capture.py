@@ -55,6 +55,8 @@ class Capture:
             replayed the previous save's layout (``replay.py``); ``None`` once built.
         source: The caller's state dict, for the planning thread to record its layout.
         replayed: Whether ``replay.py`` recorded this capture.
+        sizes_held: For a replayed capture, on the planning thread: whether its big tensors
+            still have the sizes of the layout replayed (else that layout is learnt again).
     """
 
     state: dict[str, Any]
@@ -64,6 +66,7 @@ class Capture:
     finish: Callable[[], tuple[dict[str, Any], dict[int, int]]] | None = None
     source: Mapping[str, Any] | None = None
     replayed: bool = False
+    sizes_held: Callable[[], bool] | None = None
 
     def resolve(self) -> None:
         """Build what a replayed capture left to the planning thread (no-op otherwise)."""

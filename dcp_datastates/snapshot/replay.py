@@ -14,28 +14,37 @@ the structure), that the live state still has that layout, and records it:
   scalar leaf may be replaced by another scalar, read now);
 * the eagerly copied tensors of each group still have its shape and dtype, and are copied by
   one ``torch.stack`` into the buffer prepared for the group (the copies are its rows);
-* every other tensor is still on the CPU with its recorded size (so it is still not one to copy
-  eagerly), and its version counter is read.
+* every other tensor's version counter is read, and where the process has an accelerator, that
+  it is still on the CPU (without one no tensor can be elsewhere but on ``meta``, whose copy
+  fails the save). Its size is checked on the planning thread (``learn``): it only decides
+  whether the walk would copy the tensor eagerly, and a tensor recorded as big is saved
+  correctly at any size (read live, version-checked); one of another size has the layout
+  learnt again there for the next save.
 
 These are the decisions the walk makes on each value, made on the value found now: a tensor
 replaced by another object of the same kind, or a new container (``model.state_dict()`` builds
 new dicts of new tensor objects at each call) is recorded exactly as the walk would record it.
-Anything else (a key added or removed, a value of another kind, a tensor resized, retyped or
-moved) is a miss: ``capture()`` walks the state as before, and the planning thread records the
-new layout. The structure copy that the planning thread plans from is built there, from the
-values read here. The record holds no reference to the caller's objects (a finished save holds
-none).
+Anything else (a key added or removed, a value of another kind, a small tensor resized or
+retyped, a tensor moved) is a miss: ``capture()`` walks the state as before, and the planning
+thread records the new layout. The structure copy that the planning thread plans from is built
+there, from the values read here. The record holds no reference to the caller's objects (a
+finished save holds none).
 
-Cost at 20,000 tensors (10,005 eager, 9 MB) on this 2-core machine under load: 13-20 ms of the
-caller's CPU against 50-60 ms for the walk (``scripts/bench_scale.py counts``). On a 2-core AMD
-EPYC VM, inside a running ``dcp.async_save`` (medians of 13 steady saves, caller CPU): 19-26 ms
-in all; the structure 2.7 ms, the big tensors' ``nbytes`` 3.3, ``is_cpu`` 2.2 and ``_version``
-3.7, the eager groups' dtype check 3.4 and ``torch.stack`` 7.1. About half of it is cache and
-TLB misses on the tensors' metadata, which the previous save's copy of the state evicted: the
-same passes on warm caches take 9-15 ms, and a C++ loop over the 9,993 big tensors that touches
-only their version counters (``torch._C._increment_version``) takes 2.5-3 ms cold. Fusing the
-passes (one ``attrgetter`` of three attributes; a dtype check and a stack per chunk small enough
-for ATen's serial ``cat`` kernel) measured within 1 ms of this, inside the run-to-run spread.
+Cost at 20,000 tensors (9,993 big, 10,005 eager, 9 MB) on a 2-core AMD EPYC VM, inside
+``dcp_datastates.async_save`` right after the previous save (12 steady saves): 15-33 ms of
+the caller's CPU, median about 24 ms (35 ms before the size and device checks left the caller
+and the dtype check came after the stack, 2026-12-01): the structure 2-3.4 ms, the types 0.5-1,
+the big tensors' ``_version`` 4.6-8.9, the eager groups' ``torch.stack`` and dtype check
+7.5-19. Nearly all of it is TLB and cache misses on the tensors' metadata and data, which the
+previous save and the training between saves evicted: one ``_version`` read costs 76 ns on a
+warm tensor and 0.5-0.7 us on each of 10,000 (their metadata lies on 10,000 pages), and every
+further pass over the same tensors pays it again, which is why each tensor is visited once
+where it can be. Reading the version counter of every one of the 20,000 tensors alone takes
+10-14 ms there. A tuple per tensor (one ``attrgetter`` of two attributes) measured no faster:
+10,000 tuples set off a dozen collections of the cyclic GC on the caller, 3-4 ms. A helper
+thread running the big tensors' pass while the caller's ``torch.stack`` ran without the GIL
+measured slower (20.7 ms against 15.5 ms in isolation): the GIL came back to the caller only
+after the 5 ms switch interval.
 """
 
 from __future__ import annotations
@@ -59,6 +68,10 @@ _dtype = attrgetter("dtype")
 _nbytes = attrgetter("nbytes")
 _is_cpu = attrgetter("is_cpu")
 _version = attrgetter("_version")
+#: Whether this process has an accelerator. Without one no tensor can be on a device but the
+#: CPU (or ``meta``, which has no bytes: its copy fails the save), so the replay does not
+#: check the big tensors' devices, a pass that costs 5 ms at 10,000 tensors here.
+_ACCELERATOR = torch.accelerator.current_accelerator() is not None
 
 
 def _scalar(value: Any) -> bool:
@@ -240,15 +253,19 @@ class CaptureCache:
         if not all(map(_scalar, map(values.__getitem__, rec.tuples))):
             return None  # a tuple of scalars replaced by one holding other objects
         big = list(map(values.__getitem__, rec.big))
-        if list(map(_nbytes, big)) != rec.big_nbytes or not all(map(_is_cpu, big)):
-            return None
+        # Each big tensor is visited once: its device and its version counter, read together
+        # (each visit of a tensor's C++ side misses the TLB: 0.3-0.7 us apiece here). Its size
+        # is left to the planning thread (``learn``): it only decides whether the walk would
+        # have copied the tensor eagerly, and one recorded as big is saved correctly at any
+        # size (read live, version-checked).
+        if _ACCELERATOR and not all(map(_is_cpu, big)):
+            return None  # a tensor moved to a device: its copy needs the device gate
+        versions = list(map(_version, big))
         stacks = []
         with torch.no_grad():
             kinds_of_groups = zip(rec.groups, rec.group_kinds, strict=True)
             for i, (positions, (shape, dtype)) in enumerate(kinds_of_groups):
                 members = list(map(values.__getitem__, positions))
-                if set(map(_dtype, members)) != {dtype}:
-                    return None  # torch.stack would convert a retyped tensor silently
                 try:  # one copy of the group: its eager copies
                     if spare is not None:
                         stacked = torch.stack(members, out=spare[i])
@@ -256,12 +273,16 @@ class CaptureCache:
                         stacked = torch.stack(members)
                 except RuntimeError:
                     return None  # a tensor was resized, or moved to another device
+                # After the stack, which brought the tensors' metadata into the caches: the
+                # dtypes, which torch.stack would have converted silently.
+                if set(map(_dtype, members)) != {dtype}:
+                    return None
                 if stacked.shape[1:] != shape or not stacked.is_cpu:
                     return None
                 stacks.append(stacked)
-        versions = list(map(_version, big))
         captured = Capture({}, {}, len(rec.small) + len(big), rec.eager_bytes)
         captured.finish = lambda: _build(rec, values, stacks, big, versions)
+        captured.sizes_held = lambda: list(map(_nbytes, big)) == rec.big_nbytes
         captured.source = state_dict
         captured.replayed = True
         return captured
@@ -273,9 +294,10 @@ class CaptureCache:
         captured.source = None
         if source is None:
             return
-        if captured.replayed:
+        sizes_held, captured.sizes_held = captured.sizes_held, None
+        if captured.replayed and sizes_held is not None and sizes_held():
             rec = self._record
-        else:
+        else:  # walked, or replayed with a big tensor of another size: learn the layout again
             try:
                 rec = _learn(source, self.eager_bytes)
             except RuntimeError:  # the caller changed a dict while we read it: walk next time
