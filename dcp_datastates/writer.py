@@ -73,7 +73,7 @@ from .snapshot.engine import SnapshotSession
 from .snapshot.replay import CaptureCache
 from .snapshot.runtime import SnapshotRuntime
 from .stats import SaveStats
-from .storage import LocalStorage, Storage, is_local, storage_for
+from .storage import Storage, is_local, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +93,13 @@ def _refuse_file_target(path: str | os.PathLike) -> None:
     Otherwise the save only fails later on DCP's save thread (``prepare_local_plan``), and the
     caller of an async save learns it from a traceback of that thread.
     """
-    storage = storage_for(path)
-    if isinstance(storage, LocalStorage) and os.path.isfile(storage.root):
+    text = os.fspath(path)
+    if is_local(text) and os.path.isfile(local := text.removeprefix("file://")):
+        root = os.path.abspath(local)  # as LocalStorage names it
         raise NotADirectoryError(
             errno.ENOTDIR,
-            f"checkpoint path {storage.root} exists and is not a directory; pick another path",
-            storage.root,
+            f"checkpoint path {root} exists and is not a directory; pick another path",
+            root,
         )
 
 

@@ -240,6 +240,21 @@ def test_a_tensor_replaced_by_a_meta_tensor_fails_that_save_and_the_next_commits
     saver.save(state)
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_replayed_save_leaves_the_callers_grad_mode_as_it_found_it(
+    saver: Saver, grad: bool
+) -> None:
+    """The eager copies are taken with autograd off (parameters among them); the caller's
+    grad mode is its own again on return, on or off."""
+    state = make_state()
+    state["model"]["p"] = nn.Parameter(torch.randn(8))  # small, requires grad: copied eagerly
+    saver.save(state)
+    with torch.set_grad_enabled(grad):
+        saver.save(state)
+        assert torch.is_grad_enabled() is grad
+    assert saver.counts == (1, 1)
+
+
 def test_a_replayed_save_holds_no_reference_to_the_saved_tensors(saver: Saver) -> None:
     state = make_state()
     for _ in range(3):
