@@ -221,12 +221,15 @@ def test_a_big_tensor_resized_between_saves_replays_and_its_size_is_learnt_for_t
     assert torch.equal(loaded["model"]["w1"], torch.ones(4))
 
 
+@pytest.mark.parametrize("accelerator", [False, True])
 def test_a_tensor_replaced_by_a_meta_tensor_fails_that_save_and_the_next_commits(
-    saver: Saver,
+    saver: Saver, monkeypatch: pytest.MonkeyPatch, accelerator: bool
 ) -> None:
-    """Without an accelerator the replay does not check devices (no tensor can be on one):
-    a ``meta`` tensor, which has no bytes, fails the save in its copy, as it does on the
-    caller's path, and the writer saves again."""
+    """Without an accelerator the replay does not check devices (no tensor can be on one): a
+    ``meta`` tensor, which has no bytes, fails the save in its copy, as it does on the caller's
+    path. With one, the replay sees the tensor is not on the CPU and does not replay. Either way
+    the writer saves again."""
+    monkeypatch.setattr(replay, "_accelerator", accelerator)
     state = make_state()
     saver.save(state)
     real = state["model"]["w1"]
@@ -236,6 +239,7 @@ def test_a_tensor_replaced_by_a_meta_tensor_fails_that_save_and_the_next_commits
     )
     with pytest.raises(BaseException, match="meta tensor"):
         future.result(timeout=EVENT_TIMEOUT_S)
+    assert saver.counts[0] == (0 if accelerator else 1)
     state["model"]["w1"] = real
     saver.save(state)
 

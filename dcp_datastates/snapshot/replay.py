@@ -68,10 +68,18 @@ _dtype = attrgetter("dtype")
 _nbytes = attrgetter("nbytes")
 _is_cpu = attrgetter("is_cpu")
 _version = attrgetter("_version")
-#: Whether this process has an accelerator. Without one no tensor can be on a device but the
-#: CPU (or ``meta``, which has no bytes: its copy fails the save), so the replay does not
-#: check the big tensors' devices, a pass that costs 5 ms at 10,000 tensors here.
-_ACCELERATOR = torch.accelerator.current_accelerator() is not None
+#: Whether this process has an accelerator (asked at the first replay, not at import, which
+#: must not touch a device runtime). Without one no tensor can be on a device but the CPU (or
+#: ``meta``, which has no bytes: its copy fails the save), so the replay does not check the big
+#: tensors' devices, a pass that costs 5 ms at 10,000 tensors here.
+_accelerator: bool | None = None
+
+
+def _has_accelerator() -> bool:
+    global _accelerator
+    if _accelerator is None:
+        _accelerator = torch.accelerator.current_accelerator() is not None
+    return _accelerator
 
 
 def _scalar(value: Any) -> bool:
@@ -253,12 +261,12 @@ class CaptureCache:
         if not all(map(_scalar, map(values.__getitem__, rec.tuples))):
             return None  # a tuple of scalars replaced by one holding other objects
         big = list(map(values.__getitem__, rec.big))
-        # Each big tensor is visited once: its device and its version counter, read together
-        # (each visit of a tensor's C++ side misses the TLB: 0.3-0.7 us apiece here). Its size
-        # is left to the planning thread (``learn``): it only decides whether the walk would
-        # have copied the tensor eagerly, and one recorded as big is saved correctly at any
-        # size (read live, version-checked).
-        if _ACCELERATOR and not all(map(_is_cpu, big)):
+        # Each big tensor is visited once, for its version counter (each visit of a tensor's
+        # C++ side misses the TLB: 0.3-0.7 us apiece here), and a second time for its device
+        # only where the process has an accelerator. Its size is left to the planning thread
+        # (``learn``): it only decides whether the walk would have copied the tensor eagerly,
+        # and one recorded as big is saved correctly at any size (read live, version-checked).
+        if _has_accelerator() and not all(map(_is_cpu, big)):
             return None  # a tensor moved to a device: its copy needs the device gate
         versions = list(map(_version, big))
         stacks = _stack_groups(rec, values, spare) if rec.groups else []
