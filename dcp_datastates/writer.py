@@ -66,7 +66,13 @@ from . import commit as _commit
 from .compat import lazy_staging_planner, stock_stage, writer_options
 from .errors import InvalidStateDictError, WriterUsageError, portable
 from .format import metadata_name
-from .planner import plan_providers, provider_from_any_planner
+from .planner import (
+    PLANNED_KEY,
+    is_planned_elsewhere,
+    plan_providers,
+    planned_elsewhere,
+    provider_from_any_planner,
+)
 from .process_staging import daemon_runtime, stage_for_process
 from .snapshot.capture import Capture
 from .snapshot.engine import SnapshotSession
@@ -281,7 +287,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         rank = _current_rank()
         stats = SaveStats(checkpoint_id="", rank=rank, pool_bytes=self._runtime.pool_capacity)
         captured = self._captures.capture(state_dict)
+        staged: STATE_DICT_TYPE = state_dict
         if captured is not None:  # host tensors and plain values: plan on the planning thread
+            if call.found and call.planner is None and not self._announced():
+                # A plain dcp.async_save: its save thread plans what this returns with a
+                # DefaultSavePlanner of DCP's; the planning thread's plan takes its place.
+                staged = planned_elsewhere()
             stats.eager_bytes = captured.eager_bytes
             self._runtime.stage_later(
                 functools.partial(self._plan_captured, captured, call),
@@ -305,7 +316,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._process_staged = None
         self._local.staged_stats = stats
         stats.blocked_s = stats.stage_s = time.monotonic() - start
-        return state_dict
+        return staged
 
     def _plan_captured(
         self, captured: Capture, call: _dcp_private.AsyncSaveCall
@@ -358,6 +369,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             )
         return call
 
+    def _announced(self) -> bool:
+        """Whether dcp_datastates.async_save told this thread's next stage() its call."""
+        told = _ANNOUNCED.get()
+        return told is not None and told[0] is self
+
     def _announce(self, call: _dcp_private.AsyncSaveCall) -> contextvars.Token:
         """dcp_datastates.async_save says which call the next stage() on this thread is for."""
         return _ANNOUNCED.set((self, call))
@@ -398,6 +414,22 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.session, save.stats, save.started = session, stats, session.created
         return save
 
+    @staticmethod
+    def _writers_plan(save: _Save, placeholder: SavePlan) -> SavePlan:
+        """The local plan of the snapshot this save claimed, in place of DCP's plan of the
+        placeholder state dict ``stage()`` returned (``planner.PlannedElsewhere``)."""
+        session = save.session
+        if session is not None and session.local_plan is not None:
+            return session.local_plan
+        if session is not None and session.error is not None:
+            return placeholder  # planning failed: write_data raises its error, as before
+        raise WriterUsageError(
+            f"rank {save.rank}: DCP is saving the placeholder state dict that "
+            f"DataStatesWriter.stage() returns ({PLANNED_KEY!r}) but this save claimed no "
+            "snapshot the writer planned; pass that state dict only to the dcp.async_save "
+            "that staged it"
+        )
+
     def _staged_local_plan(self) -> SavePlan | None:
         """The local plan of the snapshot this thread's save claimed, when the writer planned it
         (``planner.StagedSavePlanner``); None otherwise."""
@@ -433,6 +465,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         save = self._save()
         save.storage.makedirs()
+        if is_planned_elsewhere(plan):
+            plan = self._writers_plan(save, plan)
         if not save.use_collectives:
             plan = dataclasses.replace(plan, storage_data=f"__{save.rank}_")
         return plan

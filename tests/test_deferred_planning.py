@@ -206,8 +206,10 @@ def local_planning(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     real = default_planner.create_default_local_save_plan
 
     def recording(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return real(*args, **kwargs)
+        plan = real(*args, **kwargs)
+        if plan.items:  # DCP's planning of the writer's placeholder plans nothing
+            threads.append(threading.current_thread().name)
+        return plan
 
     monkeypatch.setattr(default_planner, "create_default_local_save_plan", recording)
     return threads
@@ -219,9 +221,14 @@ def _metadata(path: Path) -> Any:
     return pickle.loads((path / METADATA_NAME).read_bytes())
 
 
+@pytest.mark.parametrize("call", ["dcp_datastates.async_save", "dcp.async_save"])
 def test_the_save_thread_reuses_the_plan_of_the_snapshot(
-    tmp_path: Path, local_planning: list[str]
+    tmp_path: Path, local_planning: list[str], call: str
 ) -> None:
+    """DCP's local planning of the state runs once per save, on the planning thread: under
+    dcp_datastates.async_save the save thread's planner reuses it; under a plain dcp.async_save
+    (DCP's own DefaultSavePlanner) the save thread plans the placeholder ``stage()`` returned,
+    and the writer's plan takes its place. The metadata is stock's either way."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -229,10 +236,17 @@ def test_the_save_thread_reuses_the_plan_of_the_snapshot(
     state = {"model": model.state_dict(), "extra": {"step": 4, "lr": [0.1, 0.2]}}
     writer = DataStatesWriter(tmp_path / "ours")
     try:
-        for _ in range(2):  # the walk, then the replay of its layout
+        for i in range(2):  # the walk, then the replay of its layout
             local_planning.clear()
-            async_save(state, writer, no_dist=True).upload_completion.result(EVENT_TIMEOUT_S)
+            if call == "dcp.async_save":
+                path = tmp_path / "ours" if i else tmp_path / "first"
+                dcp.async_save(
+                    state, storage_writer=writer, checkpoint_id=str(path), no_dist=True
+                ).result(EVENT_TIMEOUT_S)
+            else:
+                async_save(state, writer, no_dist=True).upload_completion.result(EVENT_TIMEOUT_S)
             assert len(local_planning) == 1 and local_planning[0].startswith("datastates-plan")
+        assert writer._captures.replays == 1
     finally:
         writer.close()
 
