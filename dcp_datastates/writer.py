@@ -260,7 +260,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._runtime.caller_returning()
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE | Future[STATE_DICT_TYPE]:
-        """Start the lazy snapshot of ``state_dict`` and return at once (see the lifecycle)."""
+        """Start the lazy snapshot of ``state_dict`` and return at once (see the lifecycle).
+
+        Returns ``state_dict``, or, to a plain ``dcp.async_save`` with DCP's default planner of
+        a state this writer recorded (and so plans itself), a placeholder of which that planner
+        plans nothing: the writer's plan takes its place (``planner.PlannedElsewhere``)."""
         start = time.monotonic()
         self._runtime.check_open()
         call = self._which_call()

@@ -259,6 +259,22 @@ def test_the_save_thread_reuses_the_plan_of_the_snapshot(
     assert loaded["extra"] == state["extra"]
 
 
+def test_the_placeholder_saved_without_its_snapshot_is_refused(tmp_path: Path) -> None:
+    """The placeholder stage() hands a plain dcp.async_save means nothing without the snapshot
+    it stands for: saved on its own it is refused, naming it, and nothing is committed."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates.planner import PLANNED_KEY, planned_elsewhere
+
+    writer = DataStatesWriter(tmp_path / "ckpt")
+    try:
+        with pytest.raises(BaseException, match=PLANNED_KEY):
+            dcp.save(planned_elsewhere(), storage_writer=writer, no_dist=True)
+    finally:
+        writer.close()
+    assert not (tmp_path / "ckpt" / METADATA_NAME).exists()
+
+
 def test_a_key_added_after_stage_is_not_saved(tmp_path: Path, gated: Any) -> None:
     # The snapshot is the state at the call, whatever the dict holds by the time DCP plans.
     writer = gated()
