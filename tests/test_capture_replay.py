@@ -259,6 +259,23 @@ def test_a_replayed_save_leaves_the_callers_grad_mode_as_it_found_it(
     assert saver.counts == (1, 1)
 
 
+def test_eager_copies_keep_the_tensors_python_attributes() -> None:
+    """DCP plans from some attributes of a plain tensor (torch 2.14's CheckpointableTensor
+    fields make SHARD items of it): the eager copy of a small tensor keeps them, walked and
+    replayed."""
+    cache = replay.CaptureCache(eager_bytes=4096)
+    shard = torch.arange(20.0).reshape(5, 4)
+    shard.global_shape = (8, 4)  # type: ignore[attr-defined]
+    state = {"t": shard, "w": torch.randn(64, 64)}
+    for expect_replay in (False, True):
+        captured = cache.capture(state)
+        assert captured is not None and captured.replayed is expect_replay
+        captured.resolve()
+        copy = captured.state["t"]
+        assert copy is not shard and copy.global_shape == (8, 4)
+        cache.learn(captured)
+
+
 def test_a_replayed_save_holds_no_reference_to_the_saved_tensors(saver: Saver) -> None:
     state = make_state()
     for _ in range(3):

@@ -358,6 +358,9 @@ def _build(
     for positions, stacked in zip(rec.groups, stacks, strict=True):
         version = stacked._version  # private: nothing wrote it since the copy
         for pos, copy in zip(positions, stacked.unbind(0), strict=True):
+            attributes = values[pos].__dict__  # as the walk's copy keeps them (capture.py)
+            if attributes:
+                copy.__dict__.update(attributes)
             values[pos] = copy
             recorded[id(copy)] = version
     offsets = [0]
