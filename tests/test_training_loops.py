@@ -27,7 +27,12 @@ from conftest import (
 )
 from torch import nn
 
-from dcp_datastates import CheckpointSaveError, SnapshotMutationError, async_save
+from dcp_datastates import (
+    CheckpointSaveError,
+    DataStatesWriter,
+    SnapshotMutationError,
+    async_save,
+)
 from dcp_datastates.snapshot import forward_gate
 
 SMALL_POOL = {"host_pool_bytes": MiB, "chunk_bytes": 64 * 1024, "coalesce_bytes": 16 * 1024}
@@ -143,10 +148,12 @@ def test_without_the_forward_gate_the_same_loop_fails_instead_of_committing_a_to
     assert mutation is not None and mutation.fqn.startswith("model."), raised.value
 
 
-@pytest.mark.parametrize("entry", ["ours", "dcp"])
+@pytest.mark.parametrize("entry", ["ours", "dcp", "dcp, a writer per save"])
 def test_an_unmodified_batchnorm_loop_commits_every_save_with_the_state_at_the_call(
     tmp_path: Path, make_writer, entry: str
 ) -> None:
+    """Also the README's call with a writer made for each save and dropped: each first save of
+    a writer walks the state, and DCP saves the placeholder stage() returns."""
     model, optimizer = training(width=512)  # a few MiB through a 1 MiB pool: copies overlap
     train_step(model, optimizer)
     writer = make_writer(tmp_path / "unused", **SMALL_POOL)
@@ -159,6 +166,10 @@ def test_an_unmodified_batchnorm_loop_commits_every_save_with_the_state_at_the_c
         if entry == "ours":
             done = async_save(state, writer, checkpoint_id=str(path), no_dist=True)
             future = done.upload_completion
+        elif entry == "dcp, a writer per save":
+            future = dcp.async_save(
+                state, storage_writer=DataStatesWriter(path, **SMALL_POOL), no_dist=True
+            )
         else:
             future = dcp.async_save(
                 state, storage_writer=writer, checkpoint_id=str(path), no_dist=True

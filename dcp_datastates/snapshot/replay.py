@@ -286,8 +286,8 @@ class CaptureCache:
         captured.source = None
         if source is None:
             return
-        sizes_held, captured.sizes_held = captured.sizes_held, None
-        if captured.replayed and sizes_held is not None and sizes_held():
+        sizes_held, captured.sizes_held = captured.sizes_held, None  # set by a replay only
+        if sizes_held is not None and sizes_held():
             rec = self._record
         else:  # walked, or replayed with a big tensor of another size: learn the layout again
             try:
