@@ -48,6 +48,7 @@ class Runner:
                     self._pending -= 1
                     if not self._pending:
                         self._lock.notify_all()
+            job = None  # not held while waiting for the next (what it read is the caller's)
 
     def join(self) -> None:
         """Wait for every job (and the jobs they submitted); raise the first error."""

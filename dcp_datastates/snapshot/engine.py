@@ -445,6 +445,10 @@ class SnapshotScheduler:
                 except BaseException as exc:  # never let an error die in this thread
                     logger.exception("rank %d: snapshot scheduling failed", session.rank)
                     session.abort(exc)
+                # Not held while waiting for the next: a failed session's error holds the
+                # frames of the save that failed, its writer's among them, and a writer kept
+                # alive that way (dropped without close()) never gave back its threads and pool.
+                session = None
         finally:
             self._copies.shutdown(wait=True)
             with self._completer_lock:
@@ -517,6 +521,7 @@ class SnapshotScheduler:
                 session.copied(piece, error)
             except BaseException:  # never let an error die in this thread
                 logger.exception("rank %d: completing snapshot piece %d", session.rank, piece.seq)
+            job = session = piece = error = None  # not held while waiting (_run says why)
 
 
 def _copy_frozen_parts(session: SnapshotSession, piece: Piece) -> None:

@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -221,7 +222,7 @@ class SnapshotRuntime:
         )
         session.local_plan = getattr(items, "local_plan", None)
         self._check_fits(session, res.pool)
-        session.on_retired = self._retired
+        session.on_retired = self._on_retired()
         with self._lock:
             self._sessions = [s for s in self._sessions if not s.retired] + [session]
         return session
@@ -237,8 +238,27 @@ class SnapshotRuntime:
                     "raise host_pool_bytes or save a contiguous copy"
                 )
 
+    def _on_retired(self) -> Callable[[SnapshotSession], None]:
+        """A session's retirement callback, holding this runtime weakly: the runtime holds its
+        sessions, and a bound method in each made a reference cycle that only the cyclic GC
+        broke, so the pool of a writer dropped without ``close()`` (DCP's writer per save) stayed
+        mapped until a full collection: one more state's worth of host memory per save."""
+        ref = weakref.WeakMethod(self._retired)
+
+        def retired(session: SnapshotSession) -> None:
+            method = ref()
+            if method is not None:
+                method(session)
+
+        return retired
+
     def _retired(self, session: SnapshotSession) -> None:
         with self._changed:
+            # Not kept once retired: a failed session holds its error, whose traceback holds
+            # the frames of the save that failed, the writer's among them; the writer's
+            # finalizer holds this runtime, so a writer dropped after a failed save (DCP's
+            # writer per save) was kept alive by its own finalizer, threads and pool included.
+            self._sessions = [s for s in self._sessions if s is not session]
             self._changed.notify_all()
 
     def stage(
@@ -312,7 +332,7 @@ class SnapshotRuntime:
             [], pool=None, chunk_bytes=0, coalesce_bytes=0, rank=rank, deferred=True
         )
         session.created = started
-        session.on_retired = self._retired
+        session.on_retired = self._on_retired()
         with self._lock:
             self.check_open()
             self._sessions = [s for s in self._sessions if not s.retired] + [session]
