@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ._dcp_private import ExtensionRegistry, StreamTransformExtension, set_element
+from .dcp_future import completed
 from .errors import CheckpointNotCommittedError, ChecksumMismatchError
 from .fetch import Fetch, FetchOptions, Record
 from .format import (
@@ -262,15 +263,12 @@ class DataStatesReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
-        done: torch.futures.Future = torch.futures.Future()
         try:
             with _gc_paused():
                 self._read(plan, planner)
         except BaseException as exc:
-            done.set_exception(exc)
-            return done
-        done.set_result(None)
-        return done
+            return completed(error=exc)  # raised from Python (dcp_future.py says why)
+        return completed(None)
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         assert self.metadata is not None

@@ -64,7 +64,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from . import _dcp_private, localfile
 from . import commit as _commit
 from .compat import lazy_staging_planner, stock_stage, writer_options
-from .errors import InvalidStateDictError, WriterUsageError, portable
+from .dcp_future import RelayFuture
+from .errors import InvalidStateDictError, WriterUsageError
 from .format import metadata_name
 from .planner import (
     PLANNED_KEY,
@@ -515,7 +516,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             session, storage=save.storage, items=plan.items, prefix=plan.storage_data
         )
         result.add_done_callback(lambda f: self._flushed(save, f))
-        return _to_torch_future(result)
+        return RelayFuture(result)  # DCP waits on a torch future (dcp_future.py says how)
 
     def _session_from_planner(
         self, plan: SavePlan, planner: SavePlanner, rank: int
@@ -660,18 +661,3 @@ def _tensors_of(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors_of(v)]
     return []
-
-
-def _to_torch_future(fut: Future[Any]) -> torch.futures.Future:
-    """DCP waits on a ``torch.futures.Future``; relay our result (or error) into one."""
-    out: torch.futures.Future = torch.futures.Future()
-
-    def relay(f: Future[Any]) -> None:
-        exc = f.exception()
-        if exc is not None:
-            out.set_exception(portable(exc))  # DCP pickles it to the coordinator
-        else:
-            out.set_result(f.result())
-
-    fut.add_done_callback(relay)
-    return out

@@ -337,3 +337,24 @@ def test_a_stage_later_refused_at_the_hand_off_leaves_nothing_waiting_for_its_re
         _stage_later(rt)
     assert rt._returning == []  # no entry that only a later caller_returning() would clear
     rt.close()
+
+
+def test_a_flush_of_a_session_dropped_meanwhile_fails_and_retires_it() -> None:
+    """``start_flush`` refuses a session dropped after the save thread checked it, and retires
+    it: with no copy in flight it retires at once, and its retirement callback takes the
+    runtime's lock. That ran under the lock: the save thread waited for itself and close() for
+    both (the suite hung once in a teardown's close())."""
+    rt, session = runtime_with({"t": torch.zeros(1000)})
+    session.abort(SnapshotAbortedError("dropped by close(timeout=...) meanwhile"))
+    got: list = []
+    t = threading.Thread(
+        target=lambda: got.append(rt.start_flush(session, storage=None, items=[], prefix="")),
+        daemon=True,
+    )
+    t.start()
+    t.join(EVENT_TIMEOUT_S)
+    assert not t.is_alive(), "start_flush deadlocked on the runtime's lock"
+    with pytest.raises(SnapshotAbortedError, match="meanwhile"):
+        got[0].result(timeout=EVENT_TIMEOUT_S)
+    assert session.retired
+    rt.close(timeout=5)

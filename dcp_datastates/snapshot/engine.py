@@ -28,10 +28,12 @@ copy is done. The optimizer-step guard may *fence* instead of waiting (:meth:`fe
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -406,6 +408,33 @@ class SnapshotSession:
         return self.pool.memoryview(piece.offset + slice_.start, slice_.length)
 
 
+#: Schedulers not yet freed, and their threads, for :func:`_stop_at_exit`. The threads apart:
+#: a scheduler dies on its own thread (its last reference is that thread's target), and the
+#: thread runs on while it frees what the scheduler held.
+_LIVE_SCHEDULERS: weakref.WeakSet[SnapshotScheduler] = weakref.WeakSet()
+_SCHEDULER_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+#: How long the interpreter's exit waits for schedulers to wind down, in all.
+EXIT_WAIT_S = 10.0
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop every scheduler thread and wait for it, before the interpreter finalizes.
+
+    The scheduler thread is a daemon (an idle one must not hold the process up), and a
+    dropped writer's scheduler frees the pool on it (``stop(on_exit=pool.discard)``). Freeing
+    the pool's ``mmap`` releases the GIL around ``munmap``; a daemon thread taking the GIL back
+    once finalization has begun is ended by ``pthread_exit``, whose unwinding through torch's
+    buffer deleter called ``std::terminate``: a script that dropped a writer and exited at once
+    aborted ("terminate called without an active exception", exit status 134) in about half of
+    its runs here. ``atexit`` handlers run before finalization."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for scheduler in list(_LIVE_SCHEDULERS):
+        scheduler._queue.put(None)  # a second stop is harmless: the thread ends at the first
+    for thread in list(_SCHEDULER_THREADS):
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
 class SnapshotScheduler:
     """Admits pieces of queued sessions into the pool, in order, and runs their copies."""
 
@@ -417,6 +446,8 @@ class SnapshotScheduler:
         self._copies = ThreadPoolExecutor(copy_workers, thread_name_prefix="datastates-copy")
         self._thread = threading.Thread(target=self._run, name="datastates-snapshot", daemon=True)
         self._thread.start()
+        _LIVE_SCHEDULERS.add(self)
+        _SCHEDULER_THREADS.add(self._thread)
         # Started on the first asynchronous copy: the CPU path has no completion thread.
         self._completions: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._completer: threading.Thread | None = None

@@ -490,12 +490,18 @@ class SnapshotRuntime:
         live tensors are never read in its place."""
         with self._lock:
             res = self._resources
-            if session.aborted or res is None:
+            refused = session.aborted or res is None
+            if refused:
                 failed: Future[Any] = Future()
                 failed.set_exception(session.error or self._closed_error())
-                session.retire()
-                return failed
-            session.flush_started = True
+            else:
+                session.flush_started = True
+        if refused:
+            # Outside the lock: a session with no copy in flight retires at once, and its
+            # retirement callback takes this lock (``_retired``): under it, the save thread
+            # waited for itself, and close() for both.
+            session.retire()
+            return failed
         result = flush(
             storage=storage,
             items=items,
