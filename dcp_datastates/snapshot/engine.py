@@ -476,9 +476,9 @@ class SnapshotScheduler:
                 except BaseException as exc:  # never let an error die in this thread
                     logger.exception("rank %d: snapshot scheduling failed", session.rank)
                     session.abort(exc)
-                # Not held while waiting for the next: a failed session's error holds the
-                # frames of the save that failed, its writer's among them, and a writer kept
-                # alive that way (dropped without close()) never gave back its threads and pool.
+                # Not held while waiting for the next: the session (a failed one's error with
+                # it, whose traceback holds the frames of the save that failed, its writer's
+                # among them) would live on until the next save.
                 session = None
         finally:
             self._copies.shutdown(wait=True)

@@ -85,9 +85,9 @@ def protect(session: Any) -> None:
             _handle = register_module_forward_pre_hook(_pre_forward)
     # A weak reference: a future keeps its callbacks after it resolves, and a callback holding
     # the session made each save a reference cycle (session -> future -> callback -> session)
-    # that only the cyclic GC freed, with its pieces and write items: 5,000 objects a save
-    # promoted to the oldest generation, a full collection every few saves (0.2 s in a training
-    # process). The gate's entries hold the session until the callback runs.
+    # that only the cyclic GC freed, with the session's pieces and write items: 5,000 objects
+    # a save of the train benchmark's state. The gate's entries hold the session until the
+    # callback runs.
     ref = weakref.ref(session)
     session.staged.add_done_callback(lambda _f: _forget_ref(ref))
 
