@@ -175,27 +175,41 @@ def test_a_dropped_writer_gives_back_its_pool_without_the_cyclic_gc(
 
 @pytest.mark.parametrize("how", ["dcp.async_save", "dcp.save"])
 def test_a_writer_dropped_after_a_failed_save_gives_back_its_pool(
-    tmp_path: Path, gated_tensors, how: str
+    tmp_path: Path, registered_providers, how: str
 ) -> None:
     """DCP raises a failed write from the ``torch.futures.Future`` ``write_data`` returns, in a
     frame that holds it and the writer. A plain torch future holds its error in C++, out of the
     cyclic GC's sight, so error -> traceback -> frame -> future was never collected and the
     writer of a failed save, dropped, kept its threads and pool for good (``dcp_future.py``)."""
+    gate, made = threading.Event(), threading.Event()
+    providers: list[GatedTensorProvider] = []
+
+    def gated(fqn: str, value: torch.Tensor) -> GatedTensorProvider:
+        providers.append(GatedTensorProvider(fqn, value, gate))
+        made.set()
+        return providers[-1]
+
+    registered_providers(torch.Tensor, gated)
     tensor = torch.randn(256, 256)
     writer = DataStatesWriter(tmp_path / "c", **SMALL_POOL)
 
-    def change_then_open() -> None:  # while the copy waits at the gate: the save fails
-        tensor.add_(1)
-        gated_tensors.set()
+    def change_while_copying() -> None:  # the copy waits at the gate: the save fails
+        if made.wait(EVENT_TIMEOUT_S) and providers[0].copy_started.wait(EVENT_TIMEOUT_S):
+            tensor.add_(1)
+        gate.set()
 
-    with pytest.raises(BaseException) as raised:  # DCP's CheckpointException is one
-        if how == "dcp.save":
-            threading.Timer(0.2, change_then_open).start()
-            dcp.save({"t": tensor}, storage_writer=writer, no_dist=True)
-        else:
-            future = dcp.async_save({"t": tensor}, storage_writer=writer, no_dist=True)
-            change_then_open()
-            future.result(timeout=EVENT_TIMEOUT_S)
+    changer = threading.Thread(target=change_while_copying, daemon=True)
+    changer.start()
+    try:
+        with pytest.raises(BaseException) as raised:  # DCP's CheckpointException is one
+            if how == "dcp.save":
+                dcp.save({"t": tensor}, storage_writer=writer, no_dist=True)
+            else:
+                future = dcp.async_save({"t": tensor}, storage_writer=writer, no_dist=True)
+                future.result(timeout=EVENT_TIMEOUT_S)
+    finally:
+        gate.set()
+        changer.join(EVENT_TIMEOUT_S)
     assert failure_of(raised.value, SnapshotMutationError) is not None
     # This writer's pool, not a count of all pools: a collection here may free earlier tests'.
     pool = weakref.ref(writer._runtime.pool)
