@@ -109,11 +109,10 @@ def capture(state_dict: Mapping[str, Any], *, eager_bytes: int = 0) -> Capture |
     return Capture(state, walker.versions, len(walker.versions), walker.eager)
 
 
-def _copy_with_attributes(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor.clone()`` with the tensor's Python attributes: DCP plans from some (torch 2.14's
+def keep_attributes(copy: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``copy`` with ``tensor``'s Python attributes: DCP plans from some (torch 2.14's
     ``CheckpointableTensor`` fields, ``global_shape`` and the shards' offsets and sizes, make
-    SHARD items of a plain tensor), and a bare clone would be planned as a whole tensor."""
-    copy = tensor.clone()
+    SHARD items of a plain tensor), and a bare copy would be planned as a whole tensor."""
     attributes = tensor.__dict__
     if attributes:
         copy.__dict__.update(attributes)
@@ -139,7 +138,7 @@ class _Walker:
                     nbytes = item.nbytes
                     if 0 < nbytes <= eager:
                         # A private copy now; the snapshot copies it, nothing else can change it.
-                        item = _copy_with_attributes(item)
+                        item = keep_attributes(item.clone(), item)
                         self.eager += nbytes
                 versions[id(item)] = item._version
                 out[key] = item

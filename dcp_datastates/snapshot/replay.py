@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from ..providers import _REGISTRY
-from .capture import _PLAIN, _SCALARS, Capture, capture
+from .capture import _PLAIN, _SCALARS, Capture, capture, keep_attributes
 from .device import chosen
 
 _DICTS = (dict, OrderedDict)  # types whose values() order is their keys' order
@@ -358,10 +358,7 @@ def _build(
     for positions, stacked in zip(rec.groups, stacks, strict=True):
         version = stacked._version  # private: nothing wrote it since the copy
         for pos, copy in zip(positions, stacked.unbind(0), strict=True):
-            attributes = values[pos].__dict__  # as the walk's copy keeps them (capture.py)
-            if attributes:
-                copy.__dict__.update(attributes)
-            values[pos] = copy
+            values[pos] = keep_attributes(copy, values[pos])  # as the walk's copy does
             recorded[id(copy)] = version
     offsets = [0]
     for n in rec.lens:
