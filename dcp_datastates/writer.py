@@ -503,7 +503,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             save.synchronous = True
             self._runtime.start_snapshot(session)
         elif session.error is not None:
-            raise session.error  # dropped (close() gave up on it): never read live tensors
+            # Failed before its flush (a copy saw a change) or dropped (close() gave up on it):
+            # never read the live tensors. The session retires now: kept in the runtime's list
+            # until a stall reaped it, its error's traceback (DCP's frames) held this writer
+            # out of the collector's reach, and a dropped writer never gave back its pool.
+            self._runtime.abort(session, session.error)
+            raise session.error
         else:
             try:
                 self._check_plan_matches(plan, session, save.rank)
