@@ -24,6 +24,7 @@ from . import localfile
 from .errors import DataStatesError, StorageWriteError
 from .format import DATA_SUFFIX, RecordInfo
 from .snapshot.engine import SnapshotSession
+from .snapshot.latch import Latch
 from .snapshot.priority import lower_thread_priority
 from .storage import Storage, _write_error
 
@@ -135,7 +136,7 @@ def flush(
     workers: int,
     sync: bool,
     nice: int = 0,
-    start_after: threading.Event | None = None,
+    start_after: Latch | None = None,
 ) -> Future[list[WriteResult]]:
     """Start writing ``items``; the future holds their results, or the first error (once).
 

@@ -42,6 +42,7 @@ from typing import Any
 from ..errors import SnapshotAbortedError
 from ..providers import StateProvider
 from .device import CPU, Completion, CopyDevice, devices_of, for_providers
+from .latch import Latch
 from .pool import HostPool
 
 logger = logging.getLogger(__name__)
@@ -65,9 +66,9 @@ class Piece:
     state: str = PENDING
     offset: int = -1  # pool offset once ADMITTED
     refs: int = 0
-    done: threading.Event = field(default_factory=threading.Event)
+    done: Latch = field(default_factory=Latch)
     #: set once the copy is enqueued on the device (or the piece is done): a fence may follow
-    enqueued: threading.Event = field(default_factory=threading.Event)
+    enqueued: Latch = field(default_factory=Latch)
     completion: Completion | None = None
 
     def finish(self) -> None:
@@ -137,10 +138,10 @@ class SnapshotSession:
         self.on_retired: Callable[[SnapshotSession], None] | None = None
         #: Set once the items are known: at once, or by :meth:`plan` for a ``deferred`` session
         #: (``stage()`` recorded the state; the planning thread plans it, ``capture.py``).
-        self.planned = threading.Event()
+        self.planned = Latch()
         #: Set once the flush of a host copy may start without slowing the snapshot: the
         #: snapshot is staged (or aborted), or it waits for pool space only a flush can free.
-        self.flush_may_start = threading.Event()
+        self.flush_may_start = Latch()
         if deferred:
             self.device = CPU
             self.gate = None
