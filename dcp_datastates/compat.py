@@ -123,10 +123,10 @@ def lazy_staging_planner(planner: Any) -> bool:
     For any other planner passed to ``dcp.async_save``, ``stage()`` stages as stock does (a
     blocking CPU copy) and every item is resolved through that planner (its ``resolve_data``
     included) when written."""
+    if planner is None:  # every save's case: no import on the caller's thread
+        return True
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    if planner is None:
-        return True
     if not isinstance(planner, DefaultSavePlanner):
         return False
     if any(

@@ -361,9 +361,7 @@ class SnapshotRuntime:
         if self.options.guard_forward:
             _forward_gate.hold(session)
         self.last_staged = session.staged
-        planner.submit(self._plan_and_start, session, plan, claimed, returning)
-        if after is not None:
-            planner.submit(_quietly, after)
+        planner.submit(self._plan_and_start, session, plan, claimed, returning, after)
 
     def run_save(self, save: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``save(*args)`` (a ``dcp.save``) on one of the writer's save threads, which are
@@ -384,6 +382,20 @@ class SnapshotRuntime:
         plan: Callable[[], tuple[Sequence[tuple[WriteItem, StateProvider]], int]],
         claimed: Latch | None = None,
         returning: Latch | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> None:
+        try:
+            self._plan_and_start_session(session, plan, claimed, returning)
+        finally:
+            if after is not None:  # one job for both: a submit costs the caller 10-20 us
+                _quietly(after)
+
+    def _plan_and_start_session(
+        self,
+        session: SnapshotSession,
+        plan: Callable[[], tuple[Sequence[tuple[WriteItem, StateProvider]], int]],
+        claimed: Latch | None,
+        returning: Latch | None,
     ) -> None:
         if claimed is not None:
             claimed.wait(CLAIM_START_WAIT_S)
