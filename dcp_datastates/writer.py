@@ -332,7 +332,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if self._runtime.pool is None:
             # The first save: faulting the pool in (pool.py) overlaps the planning below.
             self._runtime.prepare(captured.tensor_bytes() + 64 * captured.tensors, _current_rank())
-        items = plan_providers(captured.state, versions=captured.versions)
+        items = plan_providers(
+            captured.state, versions=captured.versions, previous=captured.previous_plan
+        )
+        captured.local_plan, captured.previous_plan = items.local_plan, None
         return items, _expected_write_bytes(items, call)
 
     def warm_up(self, state_dict: STATE_DICT_TYPE, *, wait: bool = False) -> None:

@@ -225,10 +225,11 @@ def _metadata(path: Path) -> Any:
 def test_the_save_thread_reuses_the_plan_of_the_snapshot(
     tmp_path: Path, local_planning: list[str], call: str
 ) -> None:
-    """DCP's local planning of the state runs once per save, on the planning thread: under
-    dcp_datastates.async_save the save thread's planner reuses it; under a plain dcp.async_save
-    (DCP's own DefaultSavePlanner) the save thread plans the placeholder ``stage()`` returned,
-    and the writer's plan takes its place. The metadata is stock's either way."""
+    """DCP's local planning of the state runs at most once per save, on the planning thread:
+    under dcp_datastates.async_save the save thread's planner reuses it; under a plain
+    dcp.async_save (DCP's own DefaultSavePlanner) the save thread plans the placeholder
+    ``stage()`` returned, and the writer's plan takes its place. A save that replays the layout
+    of the one before keeps its items and plans nothing. The metadata is stock's either way."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -245,7 +246,11 @@ def test_the_save_thread_reuses_the_plan_of_the_snapshot(
                 ).result(EVENT_TIMEOUT_S)
             else:
                 async_save(state, writer, no_dist=True).upload_completion.result(EVENT_TIMEOUT_S)
-            assert len(local_planning) == 1 and local_planning[0].startswith("datastates-plan")
+            if i == 0:
+                assert len(local_planning) == 1
+                assert local_planning[0].startswith("datastates-plan")
+            else:
+                assert local_planning == []  # the walk's items still hold
         assert writer._captures.replays == 1
     finally:
         writer.close()
@@ -314,3 +319,80 @@ def test_a_reused_plan_still_resolves_items_through_the_planner() -> None:
     assert planner.create_local_plan() is local_plan
     w = next(i for i in local_plan.items if i.index.fqn == "model.w")
     assert torch.equal(planner.resolve_data(w), state["model"]["w"])
+
+
+def _changed_same_bytes(w: torch.Tensor, change: str) -> torch.Tensor:
+    if change == "shape":
+        return w.view(32, 128)
+    if change == "dtype":
+        return w.view(torch.int32)
+    if change == "requires_grad":
+        return w.detach().requires_grad_()
+    assert change == "nothing"
+    return w
+
+
+@pytest.mark.parametrize("change", ["nothing", "shape", "dtype", "requires_grad"])
+def test_a_replay_keeps_the_items_of_the_save_before_only_where_they_still_hold(
+    tmp_path: Path, local_planning: list[str], change: str
+) -> None:
+    """The replay checks a big tensor's size in bytes only; a tensor of the same bytes but
+    another shape, dtype or ``requires_grad`` must be planned again, or the metadata would
+    describe the tensor of the save before (a checkpoint that looks fine and is not)."""
+    import torch.distributed.checkpoint as dcp
+
+    w = torch.randn(64, 64)  # 16 KiB: above eager_copy_bytes, so its size is not re-checked
+    state: dict[str, Any] = {"w": w, "b": torch.ones(4), "step": 1}
+    writer = DataStatesWriter(tmp_path / "w")
+    try:
+        async_save(
+            state, writer, checkpoint_id=tmp_path / "first", no_dist=True
+        ).upload_completion.result(EVENT_TIMEOUT_S)
+        first_plan = writer._captures._record.local_plan
+        assert first_plan is not None
+        state = {**state, "w": _changed_same_bytes(w, change), "step": 2}
+        local_planning.clear()
+        async_save(
+            state, writer, checkpoint_id=tmp_path / "second", no_dist=True
+        ).upload_completion.result(EVENT_TIMEOUT_S)
+        assert writer._captures.replays == 1
+        reused = writer._captures._record.local_plan is first_plan
+        assert reused == (change == "nothing")
+        assert len(local_planning) == (0 if change == "nothing" else 1)
+    finally:
+        writer.close()
+    meta = _metadata(tmp_path / "second").state_dict_metadata["w"]
+    assert tuple(meta.size) == tuple(state["w"].shape)
+    assert meta.properties.dtype == state["w"].dtype
+    assert meta.properties.requires_grad == state["w"].requires_grad
+    target = {"w": torch.zeros_like(state["w"]), "b": torch.zeros(4), "step": 0}
+    dcp.load(target, checkpoint_id=tmp_path / "second", no_dist=True)
+    assert torch.equal(target["w"], state["w"].detach())
+    assert target["step"] == 2
+
+
+def _planner_of(state: dict[str, Any]) -> Any:
+    from dcp_datastates.planner import DataStatesSavePlanner
+
+    planner = DataStatesSavePlanner()
+    planner.set_up_planner(state, storage_meta=None, is_coordinator=False)
+    return planner
+
+
+def test_replans_to_holds_only_for_what_dcp_would_plan_alike() -> None:
+    from dcp_datastates.planner import replans_to
+
+    def state() -> dict[str, Any]:
+        return {"a": {"b": torch.zeros(8, 8)}, "n": 3, "t": (1, 2)}
+
+    plan = _planner_of(state()).create_local_plan()
+    assert replans_to(plan, _planner_of(state()))  # new tensors of the same kind
+
+    tagged = state()
+    tagged["a"]["b"].global_offsets = (0, 0)  # attributes DCP may plan from
+    object_now_tensor = {**state(), "n": torch.zeros(1)}
+    reordered = {"n": 3, "a": {"b": torch.zeros(8, 8)}, "t": (1, 2)}
+    same_fqn_other_path = {"a.b": torch.zeros(8, 8), "n": 3, "t": (1, 2)}
+    other_dtype = {**state(), "a": {"b": torch.zeros(8, 8, dtype=torch.float64)}}
+    for other in (tagged, object_now_tensor, reordered, same_fqn_other_path, other_dtype):
+        assert not replans_to(plan, _planner_of(other)), other

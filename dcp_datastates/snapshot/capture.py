@@ -57,6 +57,10 @@ class Capture:
         replayed: Whether ``replay.py`` recorded this capture.
         sizes_held: For a replayed capture, on the planning thread: whether its big tensors
             still have the sizes of the layout replayed (else that layout is learnt again).
+        previous_plan: For a replayed capture, the local plan of the save whose layout it
+            replayed (its items are reused where they still hold, ``planner.replans_to``).
+        local_plan: The local plan made for this capture, once planned (the next replay's
+            ``previous_plan``).
     """
 
     state: dict[str, Any]
@@ -67,6 +71,8 @@ class Capture:
     source: Mapping[str, Any] | None = None
     replayed: bool = False
     sizes_held: Callable[[], bool] | None = None
+    previous_plan: Any = None
+    local_plan: Any = None
 
     def resolve(self) -> None:
         """Build what a replayed capture left to the planning thread (no-op otherwise)."""

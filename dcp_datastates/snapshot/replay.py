@@ -116,6 +116,9 @@ class _Record:
         #: planning thread (a fresh allocation faults its pages in on the caller: 10-15 ms for
         #: the 9 MB of eager copies of the 20,000-tensor benchmark state).
         self.spare: list[torch.Tensor] | None = None
+        #: The DCP local plan of the last save of this layout (no tensors: keys, sizes,
+        #: properties), for the next one to reuse where it still holds (``planner.replans_to``).
+        self.local_plan: Any = None
 
 
 def _learn(state_dict: Mapping[Any, Any], eager_limit: int) -> _Record | None:
@@ -277,6 +280,7 @@ class CaptureCache:
         captured.sizes_held = lambda: list(map(_nbytes, big)) == rec.big_nbytes
         captured.source = state_dict
         captured.replayed = True
+        captured.previous_plan = rec.local_plan
         return captured
 
     def learn(self, captured: Capture) -> None:
@@ -303,6 +307,7 @@ class CaptureCache:
         with self._lock:
             if rec is not None:
                 rec.spare = spare
+                rec.local_plan = captured.local_plan
             self._record = rec
 
     def forget(self) -> None:
