@@ -252,6 +252,9 @@ def test_training_target_reports_its_measured_limit(quick_run: dict[str, Any]) -
     assert rows["ours async_save"][bound] != "-" and rows["no checkpoint"][bound] == "-"
     assert "our lower bound is" in stdout[stdout.index("No-checkpoint block:") :]
     row = next(ln for ln in stdout.splitlines() if ln.startswith("| training overhead:"))
+    if "| n/a (baseline within noise" in row:
+        # At --quick sizes stock's median overhead can be <= 0: no ratio, and the row says so.
+        return
     if "| met |" not in row:  # a miss carries the limit it was judged against
         assert "ckpt CPU - idle CPU" in row, row
 
