@@ -17,7 +17,6 @@ nothing in DCP raises.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from concurrent.futures import Future
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from .errors import portable
+from .snapshot.latch import Latch
 
 
 class RelayFuture(torch.futures.Future):
@@ -35,7 +35,7 @@ class RelayFuture(torch.futures.Future):
     def __init__(self, source: Future[Any]) -> None:
         super().__init__()
         self._source = source
-        self._relayed = threading.Event()
+        self._relayed = Latch()
         ref = weakref.ref(self)  # no cycle: source -> callback -> this -> source
         relayed = self._relayed
         source.add_done_callback(lambda f: _relay(ref, relayed, f))
@@ -54,7 +54,7 @@ class RelayFuture(torch.futures.Future):
         return self._relayed.is_set()
 
 
-def _relay(ref: weakref.ref[RelayFuture], relayed: threading.Event, source: Future[Any]) -> None:
+def _relay(ref: weakref.ref[RelayFuture], relayed: Latch, source: Future[Any]) -> None:
     out = ref()
     if out is not None:  # the C++ side, for then() and torch.futures.wait_all
         exc = source.exception()

@@ -12,6 +12,7 @@ import threading
 import torch
 from conftest import EVENT_TIMEOUT_S
 
+import dcp_datastates
 from dcp_datastates.snapshot import engine
 from dcp_datastates.snapshot.latch import Latch
 
@@ -69,8 +70,6 @@ def test_a_set_racing_the_first_wait_never_leaves_the_waiter_asleep() -> None:
 
 
 def test_a_save_whose_flush_starts_once_staged_makes_no_event_for_its_pieces(tmp_path) -> None:
-    import dcp_datastates
-
     made: list[Latch] = []
     original = engine.Piece.__init__
 
