@@ -8,6 +8,10 @@
                      how long that took.
     process-dtensor  several saves of DTensors through ``AsyncCheckpointerType.PROCESS``; after
                      each save rank 0 reports the checkpoint daemon's thread count and RSS.
+    replayed         one writer per rank, several saves of plain tensors (replicated ones and
+                     one of this rank's own) that replay the first save's layout; one save
+                     gives a tensor another shape of the same bytes. Each rank reports its
+                     replays, which saves reused the write items, and what loaded back wrong.
 """
 
 from __future__ import annotations
@@ -209,6 +213,55 @@ def _process_dtensor(rank: int, world_size: int, port: int, workdir: Path) -> di
     return report
 
 
+def _replayed(rank: int, world_size: int, port: int, workdir: Path) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesReader, DataStatesWriter, async_save
+
+    _init(rank, world_size, port)
+    writer = DataStatesWriter(workdir / "w")
+    report: dict[str, Any] = {"reused": [], "differs": []}
+    weight = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)  # above eager_copy_bytes
+    mine = torch.full((32, 32), float(rank))
+    try:
+        for i in range(4):
+            w = weight.view(32, 128) if i == 2 else weight  # same bytes, another shape
+            state = {"w": w, "norm": torch.ones(8) * i, f"rank{rank}": mine, "step": i}
+            expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+            before = writer._captures._record
+            plan_before = None if before is None else before.local_plan
+            path = str(workdir / f"save{i}")
+            if i % 2:
+                dcp.async_save(state, storage_writer=writer, checkpoint_id=path).result(
+                    timeout=FUTURE_TIMEOUT_S
+                )
+            else:
+                async_save(state, writer, checkpoint_id=path).upload_completion.result(
+                    timeout=FUTURE_TIMEOUT_S
+                )
+            plan_after = writer._captures._record.local_plan
+            report["reused"].append(plan_before is not None and plan_after is plan_before)
+            with torch.no_grad():  # what the next step does to the state
+                weight.add_(1)
+                mine.add_(1)
+            target = {k: torch.zeros_like(v) for k, v in expected.items()}
+            target["step"] = -1
+            dcp.load(target, storage_reader=DataStatesReader(path))
+            report["differs"] += [
+                f"save{i}:{k}" for k, v in expected.items() if not torch.equal(target[k], v)
+            ]
+            if target["step"] != i:
+                report["differs"].append(f"save{i}:step")
+            dist.barrier()
+        report["replays"] = writer._captures.replays
+    finally:
+        writer.close()
+        dist.destroy_process_group()
+    return report
+
+
 def launch_ranks(
     scenario: str, workdir: Path, *, world_size: int = 2, timeout: float = 90.0
 ) -> list[RankResult]:
@@ -221,6 +274,8 @@ def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Pat
         return _errors(scenario[7:], rank, world_size, port, workdir)
     if scenario == "process-dtensor":
         return _process_dtensor(rank, world_size, port, workdir)
+    if scenario == "replayed":
+        return _replayed(rank, world_size, port, workdir)
     raise ValueError(f"unknown scenario {scenario!r}")
 
 

@@ -154,3 +154,23 @@ def test_a_failing_rank_fails_every_rank_and_commits_nothing(tmp_path: Path, mod
     assert not [p.name for p in ckpt.iterdir() if p.name.startswith("__1_")]
     with pytest.raises(CheckpointNotCommittedError):
         DataStatesReader(ckpt).read_metadata()
+
+
+def test_replayed_saves_on_two_ranks_reuse_their_write_items_only_where_they_hold(
+    tmp_path: Path,
+) -> None:
+    """Each rank's writer replays the first save's layout (plain tensors: replicated ones and
+    one of the rank's own, so the ranks' local plans differ) and keeps its write items; a save
+    that gives a tensor another shape of the same bytes is planned again on every rank. Every
+    checkpoint loads back as the state was at the call, through dcp_datastates.async_save and
+    dcp.async_save alike."""
+    from _cross_rank_workers import launch_ranks
+
+    results = launch_ranks("replayed", tmp_path, timeout=90)
+    check_all_ok(results)
+    for r in results:
+        assert r.report["differs"] == [], f"rank {r.rank}"
+        assert r.report["replays"] == 3, f"rank {r.rank}"
+        # the walk; a replay; save 2 views the tensor as 32x128 and save 3 as 64x64 again:
+        # each differs from the save before, so each is planned again
+        assert r.report["reused"] == [False, True, False, False], f"rank {r.rank}"
