@@ -147,7 +147,10 @@ def _save_staged(staged: Any, writer: DataStatesWriter, save_kwargs: dict[str, A
     The thread is reused, so what its exit told the writer is said here: the save's per-thread
     record is dropped, and so is a snapshot it claimed but never wrote (``save_ended``)."""
     if save_kwargs.get("planner") is None:  # reuse the plan of the snapshot being saved
-        save_kwargs = {**save_kwargs, "planner": StagedSavePlanner(writer._staged_local_plan)}
+        save_kwargs = {
+            **save_kwargs,
+            "planner": StagedSavePlanner(writer._staged_local_plan, writer._global_plans),
+        }
     try:
         return dcp.save(staged, storage_writer=writer, **save_kwargs)
     finally:

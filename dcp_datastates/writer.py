@@ -69,6 +69,7 @@ from .errors import InvalidStateDictError, WriterUsageError
 from .format import metadata_name
 from .planner import (
     PLANNED_KEY,
+    GlobalPlanMemo,
     is_planned_elsewhere,
     plan_providers,
     planned_elsewhere,
@@ -201,6 +202,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._process_staged: Future[None] | None = None
         # The last layout of the state saved, replayed by the next stage() (replay.py).
         self._captures = CaptureCache(self.options.eager_copy_bytes)
+        # The last single-rank global plan, for a save that replays it (planner.py).
+        self._global_plans = GlobalPlanMemo()
 
     # The PROCESS executor pickles the writer into a daemon: ship options, not threads or memory.
     def __getstate__(self) -> dict[str, Any]:
@@ -248,6 +251,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             self._runtime.close(timeout)
             localfile.release_spare_buffers()
         self._captures.forget()
+        self._global_plans.forget()
         self._finalizer.detach()
 
     @property

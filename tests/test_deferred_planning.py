@@ -371,6 +371,71 @@ def test_a_replay_keeps_the_items_of_the_save_before_only_where_they_still_hold(
     assert target["step"] == 2
 
 
+@pytest.fixture
+def global_planning(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The item count of each global plan DCP makes, in order."""
+    from torch.distributed.checkpoint import default_planner
+
+    made: list[int] = []
+    real = default_planner.create_default_global_save_plan
+
+    def recording(all_plans: Any, *args: Any, **kwargs: Any) -> Any:
+        made.append(sum(len(p.items) for p in all_plans))
+        return real(all_plans, *args, **kwargs)
+
+    monkeypatch.setattr(default_planner, "create_default_global_save_plan", recording)
+    return made
+
+
+def test_a_replayed_save_takes_the_global_plan_of_the_save_before_and_its_own_metadata(
+    tmp_path: Path, global_planning: list[int]
+) -> None:
+    """A save that keeps the local plan of the one before (a replay) keeps its global plan and
+    metadata too (``planner.GlobalPlanMemo``), as DCP would make them again. Each save's
+    metadata is its own: the commit sets its storage data, and the first save's must not
+    change under the next ones. A layout that changes is planned again."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    state: dict[str, Any] = {"model": model.state_dict(), "step": 0}
+    writer = DataStatesWriter(tmp_path / "w")
+    results = []
+    try:
+        for i in range(3):
+            state["step"] = i
+            response = async_save(state, writer, checkpoint_id=tmp_path / f"c{i}", no_dist=True)
+            results.append(response.upload_completion.result(EVENT_TIMEOUT_S))
+        first_storage = dict(results[0].storage_data)
+        assert writer._captures.replays == 2
+        assert len(global_planning) == 1, "a replayed save planned its global plan again"
+        assert len({id(r) for r in results}) == 3
+        assert all(r.storage_data is not results[0].storage_data for r in results[1:])
+        # A weight of the same bytes and another shape: local and global plans made again.
+        weight = model[0].weight
+        state = {"model": {**state["model"], "0.weight": weight.detach().view(32, 128)}, "step": 3}
+        async_save(
+            state, writer, checkpoint_id=tmp_path / "c3", no_dist=True
+        ).upload_completion.result(EVENT_TIMEOUT_S)
+        assert len(global_planning) == 2
+    finally:
+        writer.close()
+    assert dict(results[0].storage_data) == first_storage
+    dcp_save_stock = tmp_path / "stock"
+    import torch.distributed.checkpoint as dcp
+
+    for i in range(3):
+        state_i = {"model": model.state_dict(), "step": i}
+        dcp.save(state_i, storage_writer=FileSystemWriter(dcp_save_stock / str(i)), no_dist=True)
+        ours, stock = _metadata(tmp_path / f"c{i}"), _metadata(dcp_save_stock / str(i))
+        assert ours.state_dict_metadata == stock.state_dict_metadata
+        assert ours.planner_data == stock.planner_data
+        loaded = load_like(tmp_path / f"c{i}", state_i, "stock")
+        assert loaded["step"] == i
+        assert all(torch.equal(loaded["model"][k], v) for k, v in state_i["model"].items())
+    reshaped = _metadata(tmp_path / "c3").state_dict_metadata["model.0.weight"]
+    assert tuple(reshaped.size) == (32, 128)
+
+
 def _planner_of(state: dict[str, Any]) -> Any:
     from dcp_datastates.planner import DataStatesSavePlanner
 
