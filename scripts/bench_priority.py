@@ -1,6 +1,7 @@
 """Interleaved A/B measurements of the flush threads' priority (``flush_nice``), issue 11.
 
     python scripts/bench_priority.py train 10 [0,10]     # training overhead: cycles, nice values
+    python scripts/bench_priority.py train 16 "copy_workers=1;copy_workers=2"  # or writer options
     python scripts/bench_priority.py safe 1.0 4 [0,10]   # safe vs DefaultStager: GB, rounds
 
 ``train``: the train scenario's model (0.33 GB state, AdamW), run as blocks of 4 steps; each block
@@ -67,11 +68,13 @@ def _block(system: str, trainee: _Trainee, writer: DataStatesWriter | None, path
     return took
 
 
-def train(cycles: int, nices: list[int]) -> None:
+def train(cycles: int, configs: list[dict[str, int]]) -> None:
     root = Path(tempfile.mkdtemp(prefix="bench_priority_"))
-    systems = ["none", "stock async_save"] + [f"ours flush_nice={n}" for n in nices]
+    names = ["ours " + ",".join(f"{k}={v}" for k, v in c.items()) for c in configs]
+    systems = ["none", "stock async_save", *names]
     writers = {
-        f"ours flush_nice={n}": DataStatesWriter(root / f"w{n}", flush_nice=n) for n in nices
+        name: DataStatesWriter(root / f"w{i}", **c)
+        for i, (name, c) in enumerate(zip(names, configs, strict=True))
     }
     trainee = _Trainee.make(TrainConfig())
     blocks: dict[str, list[float]] = {s: [] for s in systems}
@@ -92,7 +95,7 @@ def train(cycles: int, nices: list[int]) -> None:
     for s in systems:
         over = statistics.median(a - b for a, b in zip(blocks[s], base, strict=True))
         ratio = f" ({over / stock:.2f}x stock)" if s != "none" and stock > 0 else ""
-        print(f"  {s:22s} block {statistics.median(blocks[s]):.3f}s overhead {over:+.3f}s{ratio}")
+        print(f"  {s:32s} block {statistics.median(blocks[s]):.3f}s overhead {over:+.3f}s{ratio}")
 
 
 def safe(gb: float, rounds: int, nices: list[int]) -> None:
@@ -137,10 +140,21 @@ def _nices(args: list[str], at: int) -> list[int]:
     return [int(x) for x in args[at].split(",")] if len(args) > at else [0, 10]
 
 
+def _configs(args: list[str], at: int) -> list[dict[str, int]]:
+    """Writer options per system: ``"copy_workers=1;copy_workers=2,flush_nice=0"``, or nice
+    values as before (``0,10``)."""
+    if len(args) > at and "=" in args[at]:
+        return [
+            {k: int(v) for k, v in (kv.split("=") for kv in config.split(","))}
+            for config in args[at].split(";")
+        ]
+    return [{"flush_nice": n} for n in _nices(args, at)]
+
+
 if __name__ == "__main__":
     argv = sys.argv
     if len(argv) >= 3 and argv[1] == "train":
-        train(int(argv[2]), _nices(argv, 3))
+        train(int(argv[2]), _configs(argv, 3))
     elif len(argv) >= 4 and argv[1] == "safe":
         safe(float(argv[2]), int(argv[3]), _nices(argv, 4))
     else:
