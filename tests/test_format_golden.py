@@ -138,3 +138,47 @@ def regenerate() -> None:
 
 if __name__ == "__main__":
     regenerate()
+
+
+def test_the_manifest_text_is_json_canonical_bytes_for_any_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The manifest is written as text directly (``format._canonical_manifest``), not through
+    ``json.dumps``; readers check its checksum against json's canonical bytes of what they
+    parse, so the two must agree byte for byte, whatever the keys, file names and kinds hold."""
+    from dcp_datastates.format import (
+        RecordInfo,
+        _canonical,
+        _canonical_manifest,
+        _manifest_body,
+        encode_manifest,
+        manifest_key,
+    )
+
+    names = ["w", 'q"uote', "back\\slash", "tab\there", "ünïcödé.λ", "emoji 🚀", "ctl\x01", ""]
+    entries = {
+        manifest_key(name, (i, 0) if i % 2 else None): RecordInfo(
+            f"__0_{i % 3}.distcp" if i % 4 else f"dir/{name}.distcp",
+            offset=4096 * i,
+            length=100 + i,
+            data_offset=4096 * i + 64,
+            data_length=36 + i,
+            crc32c=(2**32 - 1) - i,
+            kind=name if i == 5 else "tensor",
+        )
+        for i, name in enumerate(names)
+    }
+    from dcp_datastates import format as format_module
+
+    for world_size, torch_version in ((1, "2.13.0+cpu"), (16, 'v"1\u00e9')):
+        body = _manifest_body(entries, world_size=world_size, torch_version=torch_version)
+        expected = _canonical(body)
+        with monkeypatch.context() as m:  # the direct text, not json's path
+            m.setattr(format_module, "_canonical", None)
+            ours = _canonical_manifest(entries, world_size=world_size, torch_version=torch_version)
+        assert ours == expected
+        blob = encode_manifest(entries, world_size=world_size, torch_version=torch_version)
+        assert decode_manifest(blob) == entries
+    assert _canonical_manifest({}, world_size=1, torch_version="x") == _canonical(
+        _manifest_body({}, world_size=1, torch_version="x")
+    )
