@@ -31,6 +31,8 @@ class DataStatesSavePlanner(DefaultSavePlanner):
 
     #: ``id(tensor) -> version`` recorded by ``stage()`` when planning runs after it returned.
     versions: dict[int, int] | None = None
+    #: ``id``s of tensors ``stage()`` copied eagerly (``Capture.private``).
+    private: set[int] | None = None
 
     def provider(self, item: WriteItem) -> StateProvider:
         if item.type == WriteItemType.BYTE_IO:
@@ -39,7 +41,12 @@ class DataStatesSavePlanner(DefaultSavePlanner):
             value = self._plain_tensor(item)
             if value is None:
                 value = self.resolve_data(item)  # the local tensor or shard
-        provider = provider_for(item, value)
+        if self.private and item.type is WriteItemType.TENSOR and id(value) in self.private:
+            # An eager copy: no registered provider applies (stage() records no state when
+            # one is registered), and nothing but the snapshot holds it.
+            provider: StateProvider = TensorProvider(item.index.fqn, value, private=True)
+        else:
+            provider = provider_for(item, value)
         if self.versions is not None and isinstance(provider, TensorProvider):
             # The snapshot must match the tensor as stage() saw it, not as it is now. A shard's
             # version was recorded for its DTensor (the state dict's value at this fqn).
@@ -121,6 +128,7 @@ def plan_providers(
     *,
     versions: dict[int, int] | None = None,
     previous: SavePlan | None = None,
+    private: set[int] | None = None,
 ) -> PlannedItems:
     """This rank's write items for ``state_dict`` and their providers, in snapshot order.
 
@@ -129,10 +137,12 @@ def plan_providers(
     tensors' version counters recorded at ``stage()`` (``snapshot/capture.py``), when this runs
     on another thread after it. ``previous``: the local plan of the save before, whose items
     are this save's where DCP's planning would make them again (:func:`replans_to`).
+    ``private``: the tensors ``stage()`` copied eagerly (``Capture.private``).
     """
     check_state_dict(state_dict)
     planner = DataStatesSavePlanner()
     planner.versions = versions
+    planner.private = private
     planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=False)
     if previous is not None and replans_to(previous, planner):
         planner.plan = plan = previous

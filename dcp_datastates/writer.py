@@ -337,7 +337,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             # The first save: faulting the pool in (pool.py) overlaps the planning below.
             self._runtime.prepare(captured.tensor_bytes() + 64 * captured.tensors, _current_rank())
         items = plan_providers(
-            captured.state, versions=captured.versions, previous=captured.previous_plan
+            captured.state,
+            versions=captured.versions,
+            previous=captured.previous_plan,
+            private=captured.private,
         )
         captured.local_plan, captured.previous_plan = items.local_plan, None
         return items, _expected_write_bytes(items, call)

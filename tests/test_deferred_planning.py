@@ -461,3 +461,56 @@ def test_replans_to_holds_only_for_what_dcp_would_plan_alike() -> None:
     other_dtype = {**state(), "a": {"b": torch.zeros(8, 8, dtype=torch.float64)}}
     for other in (tagged, object_now_tensor, reordered, same_fqn_other_path, other_dtype):
         assert not replans_to(plan, _planner_of(other)), other
+
+
+def test_eager_copies_are_private_to_the_snapshot_and_only_live_tensors_are_probed(
+    tmp_path: Path,
+) -> None:
+    """An eager copy (``eager_copy_bytes``) is held by nothing but the snapshot: its provider
+    reads no probe bytes and stays out of the forward gate, walked or replayed. A live tensor
+    keeps both: they are what catches a write its version counter does not see."""
+    from concurrent.futures import Future
+
+    from dcp_datastates.planner import plan_providers
+    from dcp_datastates.snapshot import forward_gate
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    state = {"model": model.state_dict(), "step": 1}
+    writer = DataStatesWriter(tmp_path / "w")
+    try:
+        kinds = []
+        for _ in range(2):  # the walk, then the replay of its layout
+            captured = writer._captures.capture(state)
+            assert captured is not None
+            kinds.append(captured.replayed)
+            captured.resolve()
+            items = plan_providers(
+                captured.state, versions=captured.versions, private=captured.private
+            )
+            providers = [p for _, p in items if hasattr(p, "private")]
+            for provider in providers:
+                small = provider.nbytes <= writer.options.eager_copy_bytes
+                assert provider.private == small, provider.fqn
+                assert (provider._probes == []) == small, provider.fqn
+            assert {p.fqn for p in providers if not p.private} == {"model.0.weight"}
+
+            class Session:
+                def __init__(self, providers: list[Any]) -> None:
+                    self.staged: Future[None] = Future()
+                    self._providers = providers
+
+                def raw_providers(self) -> list[Any]:
+                    return self._providers
+
+            session = Session(providers)
+            forward_gate.protect(session)
+            try:
+                assert len(forward_gate._keys[session]) == 1  # the live weight alone
+            finally:
+                forward_gate._forget(session)
+            async_save(state, writer, no_dist=True).upload_completion.result(EVENT_TIMEOUT_S)
+        assert kinds == [False, True]
+    finally:
+        writer.close()
+    loaded = load_like(tmp_path / "w", state, "stock")
+    assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())

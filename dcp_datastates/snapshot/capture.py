@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +49,9 @@ class Capture:
         state: Copy of the dict/list structure; leaves are the caller's tensors, eager copies
             of small ones, or immutable scalars.
         versions: ``id(tensor) -> tensor._version`` for every tensor leaf of ``state``.
+        private: ``id``s of the plain tensor leaves that are eager copies: nothing but the
+            snapshot holds them, so their providers neither probe bytes nor join the forward
+            gate.
         tensors: Tensor leaves recorded (eager copies included).
         eager_bytes: Bytes copied eagerly.
         finish: Builds ``state`` and ``versions`` on the planning thread, for a capture that
@@ -67,17 +70,18 @@ class Capture:
     versions: dict[int, int]
     tensors: int = 0
     eager_bytes: int = 0
-    finish: Callable[[], tuple[dict[str, Any], dict[int, int]]] | None = None
+    finish: Callable[[], tuple[dict[str, Any], dict[int, int], set[int]]] | None = None
     source: Mapping[str, Any] | None = None
     replayed: bool = False
     sizes_held: Callable[[], bool] | None = None
     previous_plan: Any = None
     local_plan: Any = None
+    private: set[int] = field(default_factory=set)
 
     def resolve(self) -> None:
         """Build what a replayed capture left to the planning thread (no-op otherwise)."""
         if self.finish is not None:
-            self.state, self.versions = self.finish()
+            self.state, self.versions, self.private = self.finish()
             self.finish = None
 
     def tensor_bytes(self) -> int:
@@ -112,7 +116,9 @@ def capture(state_dict: Mapping[str, Any], *, eager_bytes: int = 0) -> Capture |
     finally:
         if collecting:
             gc.enable()
-    return Capture(state, walker.versions, len(walker.versions), walker.eager)
+    return Capture(
+        state, walker.versions, len(walker.versions), walker.eager, private=walker.private
+    )
 
 
 def keep_attributes(copy: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -128,6 +134,7 @@ def keep_attributes(copy: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
 class _Walker:
     def __init__(self, eager_bytes: int) -> None:
         self.versions: dict[int, int] = {}
+        self.private: set[int] = set()
         self.eager_limit = eager_bytes
         self.eager = 0
 
@@ -146,6 +153,7 @@ class _Walker:
                         # A private copy now; the snapshot copies it, nothing else can change it.
                         item = keep_attributes(item.clone(), item)
                         self.eager += nbytes
+                        self.private.add(id(item))
                 versions[id(item)] = item._version
                 out[key] = item
             elif type(item) is DTensor:

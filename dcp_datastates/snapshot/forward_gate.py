@@ -69,8 +69,8 @@ def protect(session: Any) -> None:
     global _handle
     entries: list[tuple[int, Any]] = []
     for provider in session.raw_providers():
-        if getattr(provider, "freeze", None) is None:
-            continue
+        if getattr(provider, "freeze", None) is None or getattr(provider, "private", False):
+            continue  # a private copy (an eager one): no forward can write it
         key = provider.storage_key
         if key:
             entries.append((key, provider))

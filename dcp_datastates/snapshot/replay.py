@@ -356,15 +356,17 @@ def _build(
     stacks: list[torch.Tensor],
     big: list[torch.Tensor],
     versions: list[int],
-) -> tuple[dict[str, Any], dict[int, int]]:
-    """On the planning thread: the structure copy and versions the walk would have recorded;
-    an eager copy is a row of its group's stacked copy."""
+) -> tuple[dict[str, Any], dict[int, int], set[int]]:
+    """On the planning thread: the structure copy, versions and private copies the walk would
+    have recorded; an eager copy is a row of its group's stacked copy."""
     recorded = {id(t): v for t, v in zip(big, versions, strict=True)}
+    private: set[int] = set()
     for positions, stacked in zip(rec.groups, stacks, strict=True):
         version = stacked._version  # private: nothing wrote it since the copy
         for pos, copy in zip(positions, stacked.unbind(0), strict=True):
             values[pos] = keep_attributes(copy, values[pos])  # as the walk's copy does
             recorded[id(copy)] = version
+            private.add(id(copy))
     offsets = [0]
     for n in rec.lens:
         offsets.append(offsets[-1] + n)
@@ -377,4 +379,4 @@ def _build(
             values[rec.parent_pos[ci]] = built
         else:
             state = built
-    return state, recorded
+    return state, recorded, private
