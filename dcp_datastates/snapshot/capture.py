@@ -54,8 +54,9 @@ class Capture:
             gate.
         tensors: Tensor leaves recorded (eager copies included).
         eager_bytes: Bytes copied eagerly.
-        finish: Builds ``state`` and ``versions`` on the planning thread, for a capture that
-            replayed the previous save's layout (``replay.py``); ``None`` once built.
+        finish: Builds ``state``, ``versions`` and ``private`` on the planning thread, for a
+            capture that replayed the previous save's layout (``replay.py``); ``None`` once
+            built.
         source: The caller's state dict, for the planning thread to record its layout.
         replayed: Whether ``replay.py`` recorded this capture.
         sizes_held: For a replayed capture, on the planning thread: whether its big tensors
