@@ -13,7 +13,7 @@ import functools
 import json
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
@@ -163,14 +163,14 @@ def _manifest_body(
     }
 
 
-#: One manifest entry, as ``_canonical`` writes it: the fields in sorted order.
+#: One manifest entry, as ``_canonical`` writes it: ``RecordInfo``'s fields in sorted order
+#: (checked below, so that a field added to ``RecordInfo`` cannot be left out of the text).
 _ENTRY = (
     '{"crc32c":%d,"data_length":%d,"data_offset":%d,"kind":%s,"length":%d,"offset":%d,'
     '"relative_path":%s}'
 )
-_ENTRY_FIELDS = (
-    "crc32c", "data_length", "data_offset", "kind", "length", "offset", "relative_path"
-)  # fmt: skip
+if re.findall(r'"(\w+)":', _ENTRY) != sorted(f.name for f in fields(RecordInfo)):
+    raise AssertionError("format._ENTRY does not write RecordInfo's fields")
 
 
 def _canonical_manifest(
@@ -181,20 +181,16 @@ def _canonical_manifest(
     ``json.dumps`` turns each entry's dict into a list of (key, value) tuples to encode it:
     140,000 objects the cyclic GC tracks at 20,000 entries, whose young collections made the
     encoding 45-270 ms on the save thread. Here each entry is one string (which the GC does not
-    track), strings escaped by json's own C function. Entries whose fields are not exactly
-    ints and strings (none that this package writes) take json's path."""
-    if any(type(info) is not RecordInfo for info in entries.values()) or {
-        f for f in RecordInfo.__dataclass_fields__
-    } != set(_ENTRY_FIELDS):
-        return _canonical(
-            _manifest_body(entries, world_size=world_size, torch_version=torch_version)
-        )
+    track), strings escaped by json's own C function. An entry whose fields are not exactly
+    ints and strings (none that this package writes) sends the whole manifest down json's path:
+    ``%d`` would write a float or a bool otherwise than json does."""
     text = _json_text
     parts = []
     for key in sorted(entries):
         info = entries[key]
         if not (
-            type(info.crc32c) is int
+            type(info) is RecordInfo
+            and type(info.crc32c) is int
             and type(info.data_length) is int
             and type(info.data_offset) is int
             and type(info.length) is int
