@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -212,37 +211,37 @@ class GlobalPlanMemo:
     unpickled, as new objects, and plans them as DCP does."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # One reference, swapped whole: saves of one writer on several save threads read and
+        # replace it without a lock.
         self._last: tuple[SavePlan, list[SavePlan], Metadata] | None = None
 
     def get(self, plans: Sequence[SavePlan]) -> tuple[list[SavePlan], Metadata] | None:
-        with self._lock:
-            last = self._last
+        last = self._last
         if last is None or len(plans) != 1 or plans[0] is not last[0]:
             return None
-        return last[1], _fresh(last[2], dict(last[2].state_dict_metadata))
+        return last[1], _fresh(last[2])
 
     def put(
         self, plans: Sequence[SavePlan], global_plan: list[SavePlan], metadata: Metadata
     ) -> None:
-        with self._lock:
-            # Its own dict: the first save's result keeps its entries whatever its owner does.
-            remembered = _fresh(metadata, dict(metadata.state_dict_metadata))
-            self._last = (plans[0], global_plan, remembered) if len(plans) == 1 else None
+        if len(plans) != 1:
+            self._last = None
+            return
+        # A copy: the first save's result keeps its entries whatever its owner does with it.
+        self._last = (plans[0], global_plan, _fresh(metadata))
 
     def forget(self) -> None:
-        with self._lock:
-            self._last = None
+        self._last = None
 
 
-def _fresh(metadata: Metadata, entries: dict[str, Any]) -> Metadata:
+def _fresh(metadata: Metadata) -> Metadata:
     """A ``Metadata`` of its own for one save: ``finish`` sets its ``storage_data`` and
     ``version``, and each save's result is that save's. The per-item entries, which nothing
     changes once planned, are shared; the dicts holding them are not."""
     planner_data = metadata.planner_data
     return dataclasses.replace(
         metadata,
-        state_dict_metadata=entries,
+        state_dict_metadata=dict(metadata.state_dict_metadata),
         planner_data=dict(planner_data) if isinstance(planner_data, dict) else planner_data,
         storage_data=None,
     )
