@@ -394,6 +394,7 @@ def test_a_replayed_save_takes_the_global_plan_of_the_save_before_and_its_own_me
     metadata too (``planner.GlobalPlanMemo``), as DCP would make them again. Each save's
     metadata is its own: the commit sets its storage data, and the first save's must not
     change under the next ones. A layout that changes is planned again."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
@@ -420,13 +421,11 @@ def test_a_replayed_save_takes_the_global_plan_of_the_save_before_and_its_own_me
     finally:
         writer.close()
     assert dict(results[0].storage_data) == first_storage
-    dcp_save_stock = tmp_path / "stock"
-    import torch.distributed.checkpoint as dcp
-
     for i in range(3):
         state_i = {"model": model.state_dict(), "step": i}
-        dcp.save(state_i, storage_writer=FileSystemWriter(dcp_save_stock / str(i)), no_dist=True)
-        ours, stock = _metadata(tmp_path / f"c{i}"), _metadata(dcp_save_stock / str(i))
+        stock_path = tmp_path / "stock" / str(i)
+        dcp.save(state_i, storage_writer=FileSystemWriter(stock_path), no_dist=True)
+        ours, stock = _metadata(tmp_path / f"c{i}"), _metadata(stock_path)
         assert ours.state_dict_metadata == stock.state_dict_metadata
         assert ours.planner_data == stock.planner_data
         loaded = load_like(tmp_path / f"c{i}", state_i, "stock")
