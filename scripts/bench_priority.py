@@ -137,17 +137,34 @@ def safe(gb: float, rounds: int, nices: list[int]) -> None:
 
 
 def _nices(args: list[str], at: int) -> list[int]:
-    return [int(x) for x in args[at].split(",")] if len(args) > at else [0, 10]
+    if len(args) <= at:
+        return [0, 10]
+    try:
+        return [int(x) for x in args[at].split(",")]
+    except ValueError:
+        raise SystemExit(
+            f"{args[at]!r} is neither nice values (0,10) nor writer options "
+            '("copy_workers=1;copy_workers=2")'
+        ) from None
 
 
 def _configs(args: list[str], at: int) -> list[dict[str, int]]:
     """Writer options per system: ``"copy_workers=1;copy_workers=2,flush_nice=0"``, or nice
     values as before (``0,10``)."""
     if len(args) > at and "=" in args[at]:
-        return [
-            {k: int(v) for k, v in (kv.split("=") for kv in config.split(","))}
-            for config in args[at].split(";")
-        ]
+        configs = []
+        for config in args[at].split(";"):
+            options = {}
+            for kv in config.split(","):
+                name, _, value = kv.partition("=")
+                if not value.lstrip("-").isdigit():
+                    raise SystemExit(
+                        f"writer option {kv!r} in {args[at]!r} is not name=integer; write e.g. "
+                        '"copy_workers=1;copy_workers=2,flush_nice=0"'
+                    )
+                options[name.strip()] = int(value)
+            configs.append(options)
+        return configs
     return [{"flush_nice": n} for n in _nices(args, at)]
 
 
