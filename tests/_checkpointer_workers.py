@@ -115,7 +115,34 @@ def _settings() -> dict[str, Any]:
         "deadline": float(e.get("CK_DEADLINE", "60")),
         "block_after": int(e.get("CK_BLOCK_AFTER", "-1")),  # commits allowed before blocking
         "self_signal": e.get("CK_SELF_SIGNAL", ""),  # "RANK:STEP": that rank SIGTERMs itself
+        # STEP: before that step's save, a thread waits until the main thread sleeps, then
+        # SIGTERMs itself (not the process): the signal's C handler runs on that thread.
+        "thread_signal": int(e.get("CK_THREAD_SIGNAL", "-1")),
     }
+
+
+def _main_thread_sleeps() -> bool:
+    """The main thread is parked in the kernel (state S) inside a Python-level wait."""
+    main = threading.main_thread()
+    frame = sys._current_frames().get(main.ident)
+    with open(f"/proc/self/task/{main.native_id}/stat") as f:
+        state = f.read().rsplit(")", 1)[1].split()[0]
+    return state == "S" and frame is not None and frame.f_code.co_name == "wait"
+
+
+def signal_from_a_thread_once_main_sleeps() -> None:
+    """SIGTERM delivered to another thread while the main thread waits: what the kernel does
+    when the main thread cannot take it, and what a signal in the last instant before the
+    main thread's wait amounts to. Python runs the handler only on the main thread, and only
+    once that thread runs again."""
+
+    def run() -> None:
+        while not _main_thread_sleeps():
+            threading.Event().wait(0.01)
+        say("signalling from a thread")
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+    threading.Thread(target=run, name="signaller", daemon=True).start()
 
 
 def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None:
@@ -152,6 +179,8 @@ def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None
                 os.kill(os.getpid(), signal.SIGTERM)
             line = f"step {step} digest {report['digests'][step]} latest {ck.latest_step()}"
             say(line)
+            if step == cfg["thread_signal"]:
+                signal_from_a_thread_once_main_sleeps()
             try:
                 ck.maybe_save(step, {"app": app})
             except SystemExit:

@@ -168,9 +168,24 @@ def _step_line(min_step: int, latest: int) -> Any:
     return pred
 
 
-def _finish(proc: subprocess.Popen, log: list[str]) -> tuple[int, str]:
-    rest, _ = proc.communicate(timeout=120)
-    log.append(rest)
+def _finish(proc: subprocess.Popen, log: list[str], timeout: float = 120) -> tuple[int, str]:
+    """Wait for the worker and add the rest of its output to ``log``. The rest is read through
+    ``proc.stdout`` itself: ``communicate()`` reads the pipe and misses the lines that
+    ``_lines_until`` has already buffered."""
+    rest: list[str] = []
+    reader = threading.Thread(target=lambda: rest.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        reader.join(10)
+        raise AssertionError(
+            f"worker still running after {timeout} s:\n{''.join(log)}{''.join(rest)}"
+        ) from None
+    reader.join(10)
+    log.extend(rest)
     return proc.returncode, "".join(log)
 
 
@@ -249,6 +264,23 @@ def test_expired_deadline_keeps_the_previous(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     rc, text = _finish(proc, log)
     assert rc == 143 and "finish blocked" in text, text
+    step, loaded = _load_digest(tmp_path / "ckpt")
+    assert step == 5 and loaded == _digests(text)[5]
+
+
+@pytest.mark.slow
+def test_a_signal_taken_by_another_thread_reaches_a_loop_blocked_on_a_hung_save(
+    tmp_path: Path,
+) -> None:
+    # Step 10's commit hangs, so the save at step 15 waits for it without end. The SIGTERM's C
+    # handler runs on another thread once the main thread sleeps in that wait: Python runs the
+    # handler on the main thread only, when it next runs bytecode. A wait with no timeout never
+    # lets it (CI hung so once: the signal had landed just before the main thread blocked).
+    proc, log = _spawn(tmp_path, every="5", block_after="1", deadline="2", thread_signal="15"), []
+    _lines_until(proc, lambda ln: ln.startswith("signalling from a thread"), log)
+    rc, text = _finish(proc, log, timeout=60)
+    assert rc == 143 and "finish blocked" in text, text
+    assert "signal 15: checkpointing" in text, text
     step, loaded = _load_digest(tmp_path / "ckpt")
     assert step == 5 and loaded == _digests(text)[5]
 
