@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from ._signals import wait_in_slices
 from .api import async_save
 from .errors import CheckpointNotCommittedError
 from .format import METADATA_NAME
@@ -52,26 +53,10 @@ LATEST_NAME = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 #: Exit status when a second signal or the deadline ends the process before the final commit.
 ABORT_EXIT_CODE = 143
-#: The longest a wait for a save sleeps at a time, and so the longest a signal can go unhandled.
-_SIGNAL_POLL_S = 0.1
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def _wait_in_slices(event: threading.Event) -> None:
-    """Wait for ``event``, waking every ``_SIGNAL_POLL_S`` so that signal handlers run.
-
-    Python runs a signal's handler on the main thread only, once that thread runs bytecode
-    again. A lock wait without a timeout is woken by a signal the main thread itself takes, but
-    not by one whose C handler ran on another thread, nor by one that landed in the last
-    instant before the wait began. A SIGTERM while the loop waits on a hung commit then never
-    ran its handler, so neither the deadline nor a second signal could end the process (7 of
-    180 workers SIGTERMed on a loaded two-core machine hung so; none with the slices).
-    """
-    while not event.wait(_SIGNAL_POLL_S):
-        pass
 
 
 class Checkpointer:
@@ -224,7 +209,9 @@ class Checkpointer:
         with self._lock:
             pending = self._in_flight
         if pending is not None:
-            _wait_in_slices(pending[1])  # set at the end of `_on_done`: committed, `latest` moved
+            # Set at the end of `_on_done`: committed and `latest` moved. In slices: a hung
+            # commit must not keep a SIGTERM's handler from running (see _signals).
+            wait_in_slices(pending[1].wait)
         self._raise_pending_error()
 
     def _raise_pending_error(self) -> None:

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _dist_workers import _init  # noqa: E402
+from _signal_util import signal_from_a_thread_once_main_sleeps  # noqa: E402
 
 from dcp_datastates import DataStatesWriter  # noqa: E402
 from dcp_datastates.checkpointer import Checkpointer  # noqa: E402
@@ -121,30 +122,6 @@ def _settings() -> dict[str, Any]:
     }
 
 
-def _main_thread_sleeps() -> bool:
-    """The main thread is parked in the kernel (state S) inside a Python-level wait."""
-    main = threading.main_thread()
-    frame = sys._current_frames().get(main.ident)
-    with open(f"/proc/self/task/{main.native_id}/stat") as f:
-        state = f.read().rsplit(")", 1)[1].split()[0]
-    return state == "S" and frame is not None and frame.f_code.co_name == "wait"
-
-
-def signal_from_a_thread_once_main_sleeps() -> None:
-    """SIGTERM delivered to another thread while the main thread waits: what the kernel does
-    when the main thread cannot take it, and what a signal in the last instant before the
-    main thread's wait amounts to. Python runs the handler only on the main thread, and only
-    once that thread runs again."""
-
-    def run() -> None:
-        while not _main_thread_sleeps():
-            threading.Event().wait(0.01)
-        say("signalling from a thread")
-        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
-
-    threading.Thread(target=run, name="signaller", daemon=True).start()
-
-
 def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None:
     assert scenario == "train", scenario
     cfg = _settings()
@@ -180,7 +157,8 @@ def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None
             line = f"step {step} digest {report['digests'][step]} latest {ck.latest_step()}"
             say(line)
             if step == cfg["thread_signal"]:
-                signal_from_a_thread_once_main_sleeps()
+                say("signalling from a thread")
+                signal_from_a_thread_once_main_sleeps(signal.SIGTERM)
             try:
                 ck.maybe_save(step, {"app": app})
             except SystemExit:

@@ -6,6 +6,7 @@ The races are made deterministic with a real tensor provider whose copy waits on
 
 from __future__ import annotations
 
+import signal
 import threading
 from concurrent.futures import wait as real_wait
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _signal_util import signal_from_a_thread_once_main_sleeps
 from conftest import (
     EVENT_TIMEOUT_S,
     GatedTensorProvider,
@@ -82,6 +84,32 @@ def test_optimizer_step_waits_for_the_snapshot_so_the_checkpoint_holds_pre_step_
     loaded = load_like(tmp_path, state, "datastates")
     assert torch.equal(loaded["model"]["weight"], before)
     assert_same_state(state["buffers"], loaded["buffers"])
+
+
+def test_a_signal_taken_by_another_thread_is_handled_while_the_step_waits_for_the_snapshot(
+    tmp_path: Path, make_writer, gated_parameters
+) -> None:
+    # The parameter's copy is held back until the handler has run (or 10 s have passed): a
+    # step parked without a timeout would let the handler run only once the snapshot is done,
+    # and a snapshot in front of a hung flush is never done (a SIGTERM then saves nothing).
+    gate, _ = gated_parameters
+    weight, optimizer, state = training_state()
+    handled, in_time = threading.Event(), []
+
+    def then() -> None:
+        in_time.append(handled.wait(10))
+        gate.set()
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: handled.set())
+    try:
+        response = async_save(state, make_writer(tmp_path, **SMALL_POOL), no_dist=True)
+        signaller = signal_from_a_thread_once_main_sleeps(signal.SIGUSR1, then)
+        optimizer.step()
+        signaller.join(EVENT_TIMEOUT_S)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert in_time == [True]
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
 
 
 def test_optimizer_step_does_not_wait_once_the_snapshot_is_done(

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .._signals import wait_in_slices
+
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -47,7 +49,9 @@ def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
     for staged, on_wait, fence in pending:
         if fence is None or not _fenced(fence):
             host = True
-            wait([staged])
+            # In slices: a snapshot held back by a hung flush must not keep a signal's handler
+            # from running on this (the training) thread.
+            wait_in_slices(lambda s, f=staged: bool(wait([f], timeout=s).done))
         if on_wait is not None:
             # This snapshot held the step back (on the host, or until fenced) this long.
             on_wait(time.perf_counter() - start)
