@@ -30,6 +30,7 @@ def signal_from_a_thread_once_main_sleeps(
     to the process) and then calls ``then``."""
 
     def run() -> None:
+        # Polled: a thread's scheduler state is nobody's event to wait on.
         while not main_thread_sleeps():
             threading.Event().wait(0.01)
         signal.pthread_kill(threading.get_ident(), signum)
