@@ -25,6 +25,8 @@ BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
 MiB = 1 << 20
 
 FLOOR = "floor: dcp.async_save, no-op stager"
+#: The training blocks' floor (``bench_lib/floor.py``): the training target's limit.
+TRAIN_FLOOR = "floor: copy + crc32c + direct write"
 #: Timed saves per system at each count point of the scaling scenario (--quick's repeat budget is
 #: never reached, so every system saves its full count).
 COUNT_SAVES = {
@@ -66,7 +68,7 @@ EXPECTED: dict[str, tuple[set[str], set[str]]] = {
         {"total_s", "step_median_s", "step_max_s"},
     ),
     "train_block": (
-        {"no checkpoint", "stock async_save", "ours async_save"},
+        {"no checkpoint", "stock async_save", "ours async_save", TRAIN_FLOOR},
         {"block_s"},
     ),
     "forward": (
@@ -256,7 +258,8 @@ def test_training_target_reports_its_measured_limit(quick_run: dict[str, Any]) -
         # At --quick sizes stock's median overhead can be <= 0: no ratio, and the row says so.
         return
     if "| met |" not in row:  # a miss carries the limit it was judged against
-        assert "ckpt CPU - idle CPU" in row, row
+        assert "floor overhead against stock" in row and "ckpt CPU - idle CPU" in row, row
+    assert rows[TRAIN_FLOOR][bound] != "-"  # the floor's own row, beside ours
 
 
 def test_timeline_png_is_a_valid_png(quick_run: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from bench_lib import load, report, scaling  # noqa: E402
+from bench_lib import load, report, scaling, train  # noqa: E402
 from bench_lib.common import Recorder  # noqa: E402
 
 MS = 1e-3
@@ -193,3 +193,52 @@ def test_safe_to_mutate_is_limited_only_where_the_parallel_copy_is_slower_than_t
     assert verdict.result == result
     copy_s = 3 / memcpy_gb_per_s
     assert f"= {copy_s:.3f} s, ours {0.3 / copy_s:.2f}x the copy" in verdict.detail
+
+
+TRAINING = "training overhead: ours / stock async"
+
+
+def _train_cycles(rec: Recorder, **overheads_s: float | None) -> None:
+    """Four cycles of paired blocks: a 1 s no-checkpoint block and, per system given, a block
+    that much longer (``stock``, ``ours``, ``floor``), with CPU figures."""
+    names = {"stock": train.STOCK_ASYNC, "ours": train.OURS, "floor": train.FLOOR}
+    for cycle in range(4):
+        blocks = {train.NONE: 0.0, **{names[k]: v for k, v in overheads_s.items()}}
+        for system, extra in blocks.items():
+            cpu = {"checkpoint_s": 0.1, "training_s": 1.5, "machine_idle_s": 0.3}
+            cpu["training_wait_s"] = 0.01
+            rec.emit(
+                "train_block",
+                system,
+                {"block_s": 1.0 + extra},
+                blocked_s=0.0,
+                cycle=cycle,
+                steps=4,
+                cores=2,
+                cpu=cpu,
+            )
+
+
+@pytest.mark.parametrize(
+    ("floor_s", "result"),
+    # Stock's overhead 0.3 s allows ours 0.09 s; ours costs 0.12 s.
+    [(0.05, report.MISSED), (0.10, report.LIMITED)],
+)
+def test_training_is_limited_only_where_the_floor_misses_too(
+    rec: Recorder, floor_s: float, result: str
+) -> None:
+    _train_cycles(rec, stock=0.3, ours=0.12, floor=floor_s)
+    verdict = _verdict(rec, TRAINING)
+    assert verdict.result == result
+    assert f"floor overhead against stock: {floor_s:.3f}" in verdict.detail
+    assert f"ours {0.12 - floor_s:+.3f} s against it" in verdict.detail
+    assert "ckpt CPU - idle CPU" in verdict.detail  # the CPU bound stays beside it
+
+
+def test_training_without_floor_blocks_falls_back_to_the_cpu_bound(rec: Recorder) -> None:
+    # Runs recorded before the floor existed: the CPU lower bound (0 here) is the limit.
+    _train_cycles(rec, stock=0.3, ours=0.12)
+    verdict = _verdict(rec, TRAINING)
+    assert verdict.result == report.MISSED
+    assert "limit: 0 (max(0, ckpt CPU - idle CPU)" in verdict.detail
+    assert "floor" not in verdict.detail

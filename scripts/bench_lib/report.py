@@ -213,7 +213,8 @@ def train_table(f: _Figures) -> str | None:
     cfg = f.rec.select("train")[0]
     stock = _overheads(f, train.STOCK_ASYNC)
     rows = []
-    for n in [s for s in train.SYSTEMS if s in names]:
+    blocks_only = [train.FLOOR] if f.rec.select("train_block", system=train.FLOOR) else []
+    for n in [s for s in train.SYSTEMS if s in names] + blocks_only:
         over = _overheads(f, n) if n != train.NONE else None
         rows.append(
             [
@@ -252,10 +253,12 @@ def _idle_line(f: _Figures) -> str:
     stock, bound = _overheads(f, train.STOCK_ASYNC), _lower_bounds(f, train.OURS)
     target = ""
     if stock is not None and bound is not None:
+        floor = _overheads(f, train.FLOOR)
         target = (
             f" The target allows ours {TRAIN_RATIO} x stock async's overhead = "
             f"{TRAIN_RATIO * stock.median:.3f} s per checkpoint; our lower bound is "
-            f"{bound.median:.3f} s."
+            f"{bound.median:.3f} s"
+            + ("." if floor is None else f", the floor's overhead {floor.median:.3f} s.")
         )
     return (
         f"\n\nNo-checkpoint block: {wall.fmt(3)} s on {cores} cores; the training used "
@@ -518,15 +521,29 @@ TRAIN_RATIO = 0.3
 
 
 def _training_limit(f: _Figures) -> tuple[float | None, str]:
-    """Our lower-bound overhead (``_lower_bounds``) against stock async's measured overhead."""
+    """The floor's overhead (``floor.py``: the least a lazy, verified, durable checkpoint does,
+    in the same cycles) against stock async's; without floor blocks, our CPU lower bound
+    (``_lower_bounds``). The lower bound is in the detail either way: the floor's overhead
+    includes its contention for the cores, the bound only their capacity."""
     stock = _overheads(f, train.STOCK_ASYNC)
-    value, detail = _ratio_value(
+    bound, bound_detail = _ratio_value(
         _lower_bounds(f, train.OURS), stock, "needs train with CPU figures"
     )
-    if value is None or stock is None:
-        return value, detail
+    floor_over, ours = _overheads(f, train.FLOOR), _overheads(f, train.OURS)
+    floor, floor_detail = _ratio_value(floor_over, stock, "no floor blocks")
+    if stock is None or (floor is None and bound is None):
+        return None, bound_detail
     allowed = f"{TRAIN_RATIO} x stock = {TRAIN_RATIO * stock.median:.3f} s"
-    return value, f"max(0, ckpt CPU - idle CPU) / cores against stock: {detail} ({allowed})"
+    cpu = (
+        f"max(0, ckpt CPU - idle CPU) / cores against stock: {bound_detail}"
+        if bound is not None
+        else f"CPU lower bound: n/a ({bound_detail})"
+    )
+    if floor is None:
+        return bound, f"{cpu} ({allowed})"
+    assert floor_over is not None
+    gap = "" if ours is None else f"; ours {ours.median - floor_over.median:+.3f} s against it"
+    return floor, f"floor overhead against stock: {floor_detail} ({allowed}{gap}); {cpu}"
 
 
 def _cold_load(f: _Figures) -> tuple[float | None, str]:

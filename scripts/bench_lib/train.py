@@ -39,16 +39,19 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from dcp_datastates import async_save
 
 from .common import Recorder, alternate, fresh_dir, log, now
+from .floor import LazyFloor
 from .systems import DEFAULT_STAGING, PhaseLog, TimedDataStatesWriter, TimedFileSystemWriter
 
 NONE = "no checkpoint"
 STOCK_SYNC = "stock dcp.save"
 STOCK_ASYNC = "stock async_save"
 OURS = "ours async_save"
+#: The least a lazy, verified, durable checkpoint does (``floor.py``): the target's limit.
+FLOOR = "floor: copy + crc32c + direct write"
 SYSTEMS = [NONE, STOCK_SYNC, STOCK_ASYNC, OURS]
-#: Systems of the paired blocks: the target's two and the baseline (stock dcp.save blocks for a
-#: second and says nothing the full runs do not; leaving it out buys a third more cycles).
-BLOCK_SYSTEMS = [NONE, STOCK_ASYNC, OURS]
+#: Systems of the paired blocks: the target's two, the baseline and the floor (stock dcp.save
+#: blocks for a second and says nothing the full runs do not; leaving it out buys more cycles).
+BLOCK_SYSTEMS = [NONE, STOCK_ASYNC, OURS, FLOOR]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,12 +122,19 @@ class _Saver:
     (so one host pool) across runs, as a training job does across its checkpoints."""
 
     def __init__(
-        self, system: str, root: Path, log_: PhaseLog, writer: TimedDataStatesWriter
+        self,
+        system: str,
+        root: Path,
+        log_: PhaseLog,
+        writer: TimedDataStatesWriter,
+        floor: LazyFloor | None = None,
     ) -> None:
         self.system, self.root, self.log = system, root, log_
         self.pending: Any = None
         self.writer = writer
         writer.phases = log_
+        self.floor = floor
+        self.hook: Any = None  # the floor's optimizer hook, removed once its save is durable
 
     def wait_previous(self, index: int) -> None:
         if self.pending is not None and not self.pending.done():
@@ -134,6 +144,9 @@ class _Saver:
         elif self.pending is not None:
             self.pending.result()  # raise a failed save now
         self.pending = None
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
 
     def save(self, index: int, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         self.wait_previous(index)
@@ -143,6 +156,12 @@ class _Saver:
         sd = {"model": msd, "optim": osd, "step": index, "rng": {"seed": 0}}
         if self.system == STOCK_SYNC:
             dcp.save(sd, storage_writer=TimedFileSystemWriter(path, self.log, index), no_dist=True)
+            self.log.add("blocked", index, t0, now())
+            return
+        if self.system == FLOOR:
+            assert self.floor is not None
+            path.mkdir(parents=True, exist_ok=True)
+            self.pending, self.hook = self.floor.save(sd, path / "floor.bin", opt)
             self.log.add("blocked", index, t0, now())
             return
         if self.system == STOCK_ASYNC:
@@ -299,9 +318,15 @@ class Block:
 
 
 def run_block(
-    system: str, cycle: int, cfg: TrainConfig, trainee: _Trainee, root: Path, writer: Any
+    system: str,
+    cycle: int,
+    cfg: TrainConfig,
+    trainee: _Trainee,
+    root: Path,
+    writer: Any,
+    floor: LazyFloor | None = None,
 ) -> Block:
-    saver = None if system == NONE else _Saver(system, root, PhaseLog(), writer)
+    saver = None if system == NONE else _Saver(system, root, PhaseLog(), writer, floor)
     tids = _training_tids()
     c0 = _Clocks.read(tids)
     blocked = call_cpu = 0.0
@@ -343,11 +368,13 @@ def run(rec: Recorder, *, workdir: Path, cfg: TrainConfig, rounds: int) -> dict[
     log(f"train: {cfg}, {rounds} rounds, {cfg.cycles} cycles of paired blocks")
     trainee = _Trainee.make(cfg)
     writer = TimedDataStatesWriter(workdir / "ours", PhaseLog())
+    floor = LazyFloor()
     try:
         # Warm-up, untimed: the optimizer state and allocator, and our writer's pool (a job
-        # allocates it at its first checkpoint, once).
+        # allocates it at its first checkpoint, once); the floor's buffer likewise.
         warm = TrainConfig(**{**cfg.__dict__, "steps": 3, "every": 2})
         run_one(OURS, warm, trainee, workdir, writer)
+        floor.prepare(get_state_dict(trainee.model, trainee.opt))
         runs: dict[str, list[Run]] = {s: [] for s in SYSTEMS}
         for r in range(rounds):
             for system in alternate(SYSTEMS, r):
@@ -358,9 +385,11 @@ def run(rec: Recorder, *, workdir: Path, cfg: TrainConfig, rounds: int) -> dict[
         cpu = cpu_supported()
         for c in range(cfg.cycles):
             for system in _cycle_order(BLOCK_SYSTEMS, c):
-                _emit_block(rec, run_block(system, c, cfg, trainee, blocks, writer), cfg, cpu)
+                block = run_block(system, c, cfg, trainee, blocks, writer, floor)
+                _emit_block(rec, block, cfg, cpu)
     finally:
         writer.close()
+        floor.close()
     return {s: sorted(rs, key=lambda x: x.total_s)[(len(rs) - 1) // 2] for s, rs in runs.items()}
 
 
