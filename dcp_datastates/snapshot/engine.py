@@ -35,7 +35,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,7 @@ from ..providers import StateProvider
 from .device import CPU, Completion, CopyDevice, devices_of, for_providers
 from .latch import Latch
 from .pool import HostPool
+from .workers import CopyWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -444,7 +445,7 @@ class SnapshotScheduler:
         self._on_stall = on_stall
         self._on_exit: Callable[[], None] | None = None
         self._queue: queue.SimpleQueue[SnapshotSession | None] = queue.SimpleQueue()
-        self._copies = ThreadPoolExecutor(copy_workers, thread_name_prefix="datastates-copy")
+        self._copies = CopyWorkers(copy_workers, "datastates-copy")
         self._thread = threading.Thread(target=self._run, name="datastates-snapshot", daemon=True)
         self._thread.start()
         _LIVE_SCHEDULERS.add(self)
@@ -482,7 +483,7 @@ class SnapshotScheduler:
                 # among them) would live on until the next save.
                 session = None
         finally:
-            self._copies.shutdown(wait=True)
+            self._copies.shutdown()
             with self._completer_lock:
                 completer, self._completer = self._completer, None
             if completer is not None:  # every enqueued copy completes (and frees its block) first

@@ -1,0 +1,78 @@
+"""The copy workers: a fixed set of threads running the scheduler's copy jobs from one queue.
+
+A ``ThreadPoolExecutor`` did this before, and every job paid for a ``Future`` nobody read (a
+``Condition`` made, entered on start and on the result, and notified), a work item and the
+executor's idle-thread bookkeeping: on the train scenario's state (129 pieces per save) about
+3 ms of GIL-holding Python per save on the scheduler and copy threads, which is CPU that the
+training's main thread waits for. Jobs here report their own outcome (``session.copied``), so
+a job is a function and its arguments on a ``SimpleQueue``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class CopyWorkers:
+    """``count`` threads named ``{name}_{i}``, started with the first job; :meth:`shutdown`
+    runs the queued jobs, then ends and joins the threads."""
+
+    def __init__(self, count: int, name: str) -> None:
+        if count < 1:
+            raise ValueError(f"copy workers must be at least 1, got {count}")
+        self._count = count
+        self._name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Queue ``fn(*args)``; an error it raises is logged (jobs report their own)."""
+        if self._closed:
+            raise RuntimeError(f"{self._name}: submit after shutdown")
+        if not self._threads:
+            self._start()
+        self._jobs.put((fn, args))
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self._name}: submit after shutdown")
+            if self._threads:
+                return
+            for i in range(self._count):
+                # Daemons: the scheduler's exit handler (engine._stop_at_exit) shuts them down
+                # before the interpreter finalizes.
+                t = threading.Thread(target=self._work, name=f"{self._name}_{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args = job
+            try:
+                fn(*args)
+            except BaseException:  # never let an error end a worker
+                logger.exception("%s: a copy job failed", threading.current_thread().name)
+            # Not held while waiting for the next job: the job's session would live on.
+            job = fn = args = None
+
+    def shutdown(self) -> None:
+        """Run the queued jobs, then end the threads and wait for them."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._jobs.put(None)
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join()

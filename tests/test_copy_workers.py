@@ -1,0 +1,59 @@
+"""``CopyWorkers``: the scheduler's copy jobs run on a fixed set of named threads, an error in a
+job is logged and does not end its worker, and shutdown runs what was queued before it ends."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from dcp_datastates.snapshot.workers import CopyWorkers
+
+
+def test_jobs_run_on_the_named_workers_and_shutdown_runs_the_queued_ones() -> None:
+    workers = CopyWorkers(2, "datastates-copy")
+    gate = threading.Event()
+    ran: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def job(i: int) -> None:
+        gate.wait(30)
+        with lock:
+            ran.append((i, threading.current_thread().name))
+
+    for i in range(20):
+        workers.submit(job, i)
+    gate.set()  # all 20 queued before any could finish
+    workers.shutdown()
+    assert sorted(i for i, _ in ran) == list(range(20))
+    assert {name for _, name in ran} <= {"datastates-copy_0", "datastates-copy_1"}
+    assert not [t for t in threading.enumerate() if t.name.startswith("datastates-copy_")]
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        workers.submit(job, 99)
+
+
+def test_an_error_in_a_job_is_logged_and_the_worker_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    workers = CopyWorkers(1, "datastates-copy")
+    done = threading.Event()
+
+    def bad() -> None:
+        raise ValueError("a broken job")
+
+    with caplog.at_level(logging.ERROR, logger="dcp_datastates.snapshot.workers"):
+        workers.submit(bad)
+        workers.submit(done.set)  # the same (only) worker runs the next job
+        assert done.wait(30)
+        workers.shutdown()
+    assert "a copy job failed" in caplog.text and "a broken job" in caplog.text
+
+
+def test_no_thread_starts_before_the_first_job() -> None:
+    before = {t.ident for t in threading.enumerate()}
+    workers = CopyWorkers(3, "datastates-idle")
+    assert {t.ident for t in threading.enumerate()} == before
+    workers.shutdown()  # nothing to end
+    with pytest.raises(ValueError, match="at least 1"):
+        CopyWorkers(0, "x")
