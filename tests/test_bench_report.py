@@ -198,15 +198,19 @@ def test_safe_to_mutate_is_limited_only_where_the_parallel_copy_is_slower_than_t
 TRAINING = "training overhead: ours / stock async"
 
 
-def _train_cycles(rec: Recorder, **overheads_s: float | None) -> None:
+def _train_cycles(rec: Recorder, **overheads_s: float) -> None:
     """Four cycles of paired blocks: a 1 s no-checkpoint block and, per system given, a block
     that much longer (``stock``, ``ours``, ``floor``), with CPU figures."""
     names = {"stock": train.STOCK_ASYNC, "ours": train.OURS, "floor": train.FLOOR}
     for cycle in range(4):
         blocks = {train.NONE: 0.0, **{names[k]: v for k, v in overheads_s.items()}}
         for system, extra in blocks.items():
-            cpu = {"checkpoint_s": 0.1, "training_s": 1.5, "machine_idle_s": 0.3}
-            cpu["training_wait_s"] = 0.01
+            cpu = {
+                "checkpoint_s": 0.1,
+                "training_s": 1.5,
+                "machine_idle_s": 0.3,
+                "training_wait_s": 0.01,
+            }
             rec.emit(
                 "train_block",
                 system,

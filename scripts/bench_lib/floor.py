@@ -98,9 +98,9 @@ class LazyFloor:
             sent = 0
             try:
                 for t, at in zip(tensors, offsets, strict=True):
-                    ctypes.memmove(base + at, t.data_ptr(), t.numel() * t.element_size())
-                    end = at + t.numel() * t.element_size()
-                    while end - sent >= CHUNK:
+                    n = t.numel() * t.element_size()
+                    ctypes.memmove(base + at, t.data_ptr(), n)
+                    while at + n - sent >= CHUNK:
                         ready.put((sent, sent + CHUNK))
                         sent += CHUNK
             finally:

@@ -539,9 +539,8 @@ def _training_limit(f: _Figures) -> tuple[float | None, str]:
         if bound is not None
         else f"CPU lower bound: n/a ({bound_detail})"
     )
-    if floor is None:
+    if floor is None or floor_over is None:
         return bound, f"{cpu} ({allowed})"
-    assert floor_over is not None
     gap = "" if ours is None else f"; ours {ours.median - floor_over.median:+.3f} s against it"
     return floor, f"floor overhead against stock: {floor_detail} ({allowed}{gap}); {cpu}"
 
