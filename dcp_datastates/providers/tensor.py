@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from ..errors import InvalidStateDictError, SnapshotMutationError
@@ -100,7 +101,9 @@ class TensorProvider:
             return
         r0, r1 = start // self._row_bytes, stop // self._row_bytes
         rows = src[r0:r1]
-        dst.view(src.dtype).view(rows.shape).copy_(rows)
+        out = dst.view(src.dtype).view(rows.shape)
+        if not (rows.is_cpu and out.is_cpu and strided_host_copy(out, rows)):
+            out.copy_(rows)
 
     def staged_version(self, version: int, live: torch.Tensor) -> None:
         """``live`` (the caller's tensor) had ``version`` at ``stage()``, recorded there when
@@ -237,6 +240,25 @@ def host_copy(dst: int, src: int, nbytes: int) -> None:
     s, all of it on the thread). The copy workers are this library's parallelism
     (``copy_workers``, chosen from the machine)."""
     ctypes.memmove(dst, src, nbytes)
+
+
+#: An integer dtype of each element size: a view numpy copies bit for bit, whatever the dtype.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def strided_host_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Copy the strided CPU tensor ``src`` into ``dst`` (same shape) with numpy, on the calling
+    thread alone; False where numpy cannot view it (16-byte elements), for ``Tensor.copy_``.
+
+    Not ``Tensor.copy_`` first, for the reason ``host_copy`` gives: a copy large enough to run in
+    parallel gives a background thread an OpenMP team of its own, and while that thread lives
+    the process has more OpenMP threads than cores, and every parallel region of the training
+    waits longer (``docs/design.md``, "Threads")."""
+    bits = _BITS.get(src.element_size())
+    if bits is None:
+        return False
+    np.copyto(dst.view(bits).numpy(), src.view(bits).numpy())
+    return True
 
 
 def _holds(t: torch.Tensor, nbytes: int) -> bool:

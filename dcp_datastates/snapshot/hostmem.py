@@ -10,10 +10,15 @@ rest is populated. Where the kernel refuses that advice, slices are touched by w
 
 Transparent huge pages are advised *off* for it: in a fresh process, getting 2 MiB pages (by
 fault or by populate) cost 4.5-6 s per GB on this machine, several times the 4 KiB pages' cost.
+
+Memory is zeroed with ``memset``, never a torch kernel: on a thread other than the caller's, an
+ATen kernel large enough to run in parallel gives that thread an OpenMP team of its own, which
+slows every training step for as long as the thread lives (``docs/design.md``, "Threads").
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 
@@ -46,7 +51,15 @@ class PopulatedBuffer:
                 return
             self._populate_call = False
             logger.debug("MADV_POPULATE_WRITE refused; touching the host pool page by page")
-        self.tensor[offset : offset + nbytes].zero_()
+        ctypes.memset(self.tensor.data_ptr() + offset, 0, nbytes)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose pages are faulted in, filled by ``memset`` on the calling
+    thread (``torch.zeros`` would start an OpenMP team on a background thread)."""
+    tensor = torch.empty(shape, dtype=dtype)
+    ctypes.memset(tensor.data_ptr(), 0, tensor.numel() * tensor.element_size())
+    return tensor
 
 
 def _advise(mapping: mmap.mmap, name: str) -> bool:

@@ -61,6 +61,7 @@ import torch
 from ..providers import _REGISTRY
 from .capture import _PLAIN, _SCALARS, Capture, capture, keep_attributes
 from .device import chosen
+from .hostmem import zeroed
 
 _DICTS = (dict, OrderedDict)  # types whose values() order is their keys' order
 _shape = attrgetter("shape")
@@ -301,7 +302,7 @@ class CaptureCache:
         spare = None
         if rec is not None:
             spare = [
-                torch.zeros((len(group), *shape), dtype=dtype)  # zeros: pages faulted in here
+                zeroed((len(group), *shape), dtype)  # pages faulted in here, by memset
                 for group, (shape, dtype) in zip(rec.groups, rec.group_kinds, strict=True)
             ]
         with self._lock:
