@@ -137,7 +137,7 @@ def stage_for_process(
     def run() -> None:
         rank = _rank()
         try:
-            buf = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()
+            buf = shared_bytes(max(total, 1))
             staged_dict = build(buf)
             for provider, start in zip(sources, offsets, strict=True):
                 n = provider.nbytes
@@ -154,6 +154,17 @@ def stage_for_process(
 
     threading.Thread(target=run, name="datastates-process-stage", daemon=True).start()
     return ProcessStaging(result=result, staged=staged)
+
+
+def shared_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of fresh shared memory as a uint8 tensor, written by nothing yet.
+
+    Not ``torch.empty(n).share_memory_()``: that copies the new tensor's bytes into the shared
+    segment, a parallel ATen copy of the whole state on this thread (its own OpenMP team beside
+    the training's, ``docs/design.md``, "Threads"), which doubled the CPU of staging the train
+    benchmark's 0.33 GB state."""
+    storage = torch.UntypedStorage._new_shared(nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 def _rank() -> int:

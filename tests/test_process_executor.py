@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from _dist_workers import check_all_ok, empty_like_values, full_values, launch
 
 from dcp_datastates import DataStatesReader
+from dcp_datastates.process_staging import shared_bytes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
 
@@ -72,3 +73,13 @@ def test_process_executor_saves_dtensors_on_two_ranks_and_the_daemon_stays_flat(
     assert threads == [threads[0]] * len(threads), f"daemon threads grew per save: {threads}"
     growth = daemon[-1]["rss"] - daemon[0]["rss"]
     assert growth < 16 << 20, f"daemon RSS grew {growth / 2**20:.0f} MiB over 3 saves"
+
+
+def test_the_staging_segment_is_fresh_shared_memory_of_the_size_asked() -> None:
+    # The segment the staging thread copies into, handed to the daemon by file descriptor;
+    # made without the whole-state copy of torch.empty(n).share_memory_().
+    buf = shared_bytes(3 << 20)
+    assert buf.dtype == torch.uint8 and buf.numel() == 3 << 20
+    assert buf.is_shared() and buf.untyped_storage().nbytes() == 3 << 20
+    buf[-1] = 7  # writable to its last byte
+    assert int(buf[-1]) == 7
