@@ -77,19 +77,24 @@ _CHILD = textwrap.dedent(
 )
 
 
-def test_copy_workers_start_no_openmp_team(tmp_path: Path) -> None:
+def _run_child(script: str, cwd: Path) -> list[str]:
+    """Run ``script`` in a fresh interpreter with 4 OpenMP threads; the words it printed."""
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("needs /proc/self/task to count the process's threads")
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD],
+        [sys.executable, "-c", script],
         capture_output=True,
         text=True,
-        timeout=120,
-        cwd=tmp_path,
+        timeout=180,
+        cwd=cwd,
         env={**os.environ, "OMP_NUM_THREADS": "4"},
     )
     assert done.returncode == 0, done.stderr
-    before, after = map(int, done.stdout.split())
+    return done.stdout.split()
+
+
+def test_copy_workers_start_no_openmp_team(tmp_path: Path) -> None:
+    before, after = map(int, _run_child(_CHILD, tmp_path))
     assert after == before, (
         f"a save of 64 MiB started {after - before} native threads (an OpenMP team on a copy "
         "worker)"
@@ -159,18 +164,7 @@ def test_a_training_loops_saves_start_no_openmp_team_on_our_threads(tmp_path: Pa
     # An OpenMP team on a thread of ours lives as long as the thread (the writer's): the process
     # then has more OpenMP threads than cores, and every step of the training ran 20-25% slower
     # while the writer lived (2-core VM, the train scenario's state; docs/design.md, "Threads").
-    if not os.path.isdir("/proc/self/task"):
-        pytest.skip("needs /proc/self/task to count the process's threads")
-    done = subprocess.run(
-        [sys.executable, "-c", _LOOP_CHILD],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "4"},
-    )
-    assert done.returncode == 0, done.stderr
-    before, after, replays, same = done.stdout.split()
+    before, after, replays, same = _run_child(_LOOP_CHILD, tmp_path)
     assert replays == "2", f"the later saves did not replay the layout ({replays} replays)"
     assert same == "True", "the strided tensors or the small ones did not load back as saved"
     assert after == before, (
