@@ -162,7 +162,7 @@ def shared_bytes(nbytes: int) -> torch.Tensor:
     Not ``torch.empty(n).share_memory_()``: that copies the new tensor's bytes into the shared
     segment, a parallel ATen copy of the whole state on this thread (its own OpenMP team beside
     the training's, ``docs/design.md``, "Threads"): staging the train benchmark's 0.33 GB state
-    took 0.28 s of CPU with it, 0.20 s without."""
+    took 0.27-0.28 s of CPU with it, 0.20 s without."""
     storage = torch.UntypedStorage._new_shared(nbytes)
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
