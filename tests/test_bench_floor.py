@@ -1,9 +1,11 @@
-"""The training target's floor (``scripts/bench_lib/floor.py``) does the work it stands for: a
+"""The training target's floor (``scripts/bench_lib/floor.py``) and its live variant
+(``live_floor.py``) do the work it stands for: a
 floor that skipped a copy, a checksum or a write would make every checkpoint look slow beside it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from pathlib import Path
@@ -13,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from bench_lib import floor as floor_mod  # noqa: E402
+from bench_lib import live_floor  # noqa: E402
 from bench_lib.state import tensors_of  # noqa: E402
 
 
@@ -72,3 +75,45 @@ def test_the_next_optimizer_step_waits_for_the_floors_copy(tmp_path: Path, monke
     finally:
         release.set()
         floor.close()
+
+
+def test_the_live_floor_writes_the_state_from_live_memory_and_from_its_copy(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Both of its paths write the state's bytes: the copier is held on its first tensor (the
+    state's last) until the flusher has written the others from live memory."""
+    monkeypatch.setattr(floor_mod, "CHUNK", 64 << 10)  # several direct writes per tensor
+    state, opt = _state()
+    expected = [t.clone() for t in tensors_of(state) if t.numel()]
+    floor = live_floor.LiveFloor(0)
+    real = floor_mod.ctypes.memmove
+    live_written = threading.Event()
+
+    def held_memmove(dst: int, src: int, n: int) -> int:
+        assert live_written.wait(60)
+        return real(dst, src, n)
+
+    real_pwrite = os.pwrite
+
+    def pwrite(fd: int, data, at: int) -> int:
+        done = real_pwrite(fd, data, at)
+        live_written.set()  # the copier holds the last tensor: this write was live
+        return done
+
+    monkeypatch.setattr(floor_mod.ctypes, "memmove", held_memmove)
+    monkeypatch.setattr(live_floor.os, "pwrite", pwrite)
+    try:
+        future, hook = floor.save(state, tmp_path / "f.bin", opt)
+        future.result(timeout=60)
+        opt.step()  # settled: the step does not wait
+        hook.remove()
+        data = (tmp_path / "f.bin").read_bytes()
+    finally:
+        live_written.set()
+        floor.close()
+    offsets, _ = live_floor.LiveFloor._layout(tensors_of(state))
+    sizes = [t.numel() * t.element_size() for t in expected]
+    assert 0 < floor.live_bytes[0] <= sum(sizes[:-1])  # both paths were taken
+    assert any(n - (-off) % 4096 >= 4096 for n, off in zip(sizes, offsets, strict=True))
+    for t, at, n in zip(expected, offsets, sizes, strict=True):
+        assert data[at : at + n] == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
