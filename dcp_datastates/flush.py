@@ -4,11 +4,20 @@ Items are spread over ``flush_workers`` files per rank (``__{rank}_{n}.distcp``)
 bytes, each file keeping snapshot order; one thread writes one file, front to back, fsyncs it
 once, and releases every piece back to the pool as soon as its bytes are written. A big
 tensor's bytes go to a direct local file straight from the pool (``localfile.py``), the record
-padded so that they start on a block of the file.
+padded so that they lie in the file at their pool address modulo a block.
+
+A *live* session (its pool holds all of it, host tensors; ``SnapshotSession.live``) is also
+written from the live tensors: each file then puts its big host tensors first, from the back of
+the snapshot order, and writes each of their pieces that no copy has started on straight from
+the live tensor (``claim_live``, ``TensorProvider.begin_live``), while the copies go from the
+front; what the disk writes before the copies get there is never copied. Such a piece lies in
+the pool at its source address modulo a block (``engine.SnapshotSession._add``), so one padding
+suits both paths. Once an optimizer step begins (``stop_live``), the rest comes from the pool.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import threading
@@ -23,6 +32,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from . import localfile
 from .errors import DataStatesError, StorageWriteError
 from .format import DATA_SUFFIX, RecordInfo
+from .providers.tensor import host_copy
 from .snapshot.engine import SnapshotSession
 from .snapshot.latch import Latch
 from .snapshot.priority import lower_thread_priority
@@ -34,7 +44,8 @@ logger = logging.getLogger(__name__)
 def assign_files(
     items: Sequence[WriteItem], session: SnapshotSession, n_files: int
 ) -> list[list[WriteItem]]:
-    """Split items over at most ``n_files`` files, balanced by bytes, each in snapshot order."""
+    """Split items over at most ``n_files`` files, balanced by bytes, each in snapshot order
+    (in a live session, its big host tensors first, from the back: ``live_first``)."""
     order = {key: i for i, key in enumerate(session.providers)}
     ordered = sorted(items, key=lambda item: order[item.index])
     files: list[list[WriteItem]] = [[] for _ in range(max(1, min(n_files, len(ordered))))]
@@ -45,7 +56,26 @@ def assign_files(
         provider = session.providers[item.index]
         payload = provider.payload
         loads[target] += provider.nbytes + (len(payload) if payload is not None else 0) + 2048
+    if session.live:
+        files = [live_first(f, session) for f in files]
     return [f for f in files if f]
+
+
+def live_first(items: list[WriteItem], session: SnapshotSession) -> list[WriteItem]:
+    """``items`` (in snapshot order) with those the flush may write from the live tensor first,
+    last to first, then the rest in order: the copies go from the front of the snapshot, so the
+    flush starts where they will come last. A pool that holds the whole session never makes a
+    piece wait for another piece's flush, so the order cannot stall the snapshot."""
+    live = [item for item in items if _live_skew(session.providers[item.index]) is not None]
+    if not live:
+        return items
+    chosen = {id(item) for item in live}
+    return live[::-1] + [item for item in items if id(item) not in chosen]
+
+
+def _live_skew(provider: Any) -> int | None:
+    skew = getattr(provider, "live_skew", None)
+    return skew(0) if skew is not None else None
 
 
 #: Tensor records with at most this much data are joined and written whole (one write, one
@@ -71,6 +101,7 @@ def _flush_file(
         # block of the file (localfile.py): pad before such a record so that they do.
         external = getattr(f, "write_external", None)
         submit = getattr(f, "submit", None)
+        live = session.live and external is not None
         for item in items:
             provider = session.providers[item.index]
             payload = provider.payload
@@ -86,7 +117,10 @@ def _flush_file(
                 slices = session.slices[item.index]
                 direct = external is not None and frame.data_length >= localfile.EXTERNAL_MIN
                 if direct:
-                    pad = -(pos + len(frame.head)) % localfile.ALIGN
+                    # The data at its pool address (and, for a piece the flush may write from
+                    # the live tensor, its source address) modulo a block.
+                    skew = slices[0].start % localfile.ALIGN
+                    pad = (skew - pos - len(frame.head)) % localfile.ALIGN
                     f.write(bytes(pad))  # zeros between records: no record covers them
                     pos += pad
                 start = pos
@@ -103,6 +137,11 @@ def _flush_file(
                     f.write(frame.head)
                     crc = crc32c(frame.head)
                     for slice_ in slices:
+                        if live and direct:
+                            written = _write_live(f, session, slice_, crc)
+                            if written is not None:
+                                crc = written
+                                continue
                         data = _wait(session, slice_, submit)
                         crc = crc32c(data, value=crc)
                         drop = functools.partial(session.drop, slice_)
@@ -124,7 +163,64 @@ def _flush_file(
             results.append(
                 WriteResult(index=item.index, size_in_bytes=pos - start, storage_data=info)
             )
+        if session.error is not None:  # a live write found its tensor changed
+            raise session.error
     return results
+
+
+#: Bytes per write from a live tensor: a step that begins waits for at most one such write
+#: per file before the rest of the piece is copied (``SnapshotSession.hurry``).
+LIVE_STEP = 4 << 20
+
+
+def _write_live(f: Any, session: SnapshotSession, slice_: Any, crc: int) -> int | None:
+    """Write ``slice_`` from the live tensor if no copy has started on it and the save is still
+    live; returns the record's crc32c so far, or None (nothing done: it is copied)."""
+    piece = slice_.piece
+    if len(piece.parts) != 1 or session.hurry():
+        return None
+    provider, start, stop, _ = piece.parts[0]
+    begin = getattr(provider, "begin_live", None)
+    view = begin(start, stop) if begin is not None else None
+    if view is None:
+        return None
+    if not session.claim_live(piece):
+        provider.cancel_live()
+        return None
+    n, done = stop - start, 0
+    try:
+        try:
+            while done < n and not session.hurry():
+                part = view[done : done + min(LIVE_STEP, n - done)]
+                crc = crc32c(part, value=crc)
+                if not f.write_external(part, _written):
+                    f.write(part)
+                f.submit()  # written before the next check: the live bytes may change after
+                done += part.nbytes
+            if done < n:  # a step began, or the copies are done: the rest into the pool block
+                dst = session.pool.view(piece.offset + slice_.start + done, n - done)
+                src = ctypes.addressof(ctypes.c_char.from_buffer(view[done:]))
+                host_copy(dst.data_ptr(), src, n - done)
+        finally:
+            provider.end_live(view, start, stop)  # raises if the tensor changed meanwhile
+    except BaseException as exc:
+        session.live_done(piece, done, exc, rest_copied=False)
+        raise
+    session.live_done(piece, done, None, rest_copied=done < n)
+    if done == n:
+        session.drop(slice_)
+        return crc
+    data = session.pool.memoryview(piece.offset + slice_.start + done, n - done)
+    crc = crc32c(data, value=crc)
+    drop = functools.partial(session.drop, slice_)
+    if not f.write_external(data, drop):
+        f.write(data)
+        drop()
+    return crc
+
+
+def _written() -> None:
+    """A part written from a live tensor needs nothing released."""
 
 
 def flush(

@@ -222,15 +222,22 @@ class DirectFile:
         return (self._fill - self._mark) % ALIGN == 0
 
     def write_external(self, data: memoryview, release: Callable[[], None]) -> bool:
-        """Write ``data`` without copying it where it lies aligned (its address, and the file
-        at ``aligned()``); ``release()`` runs once those bytes are written (or the file is
-        closed), and ``data`` must stay unchanged until then. False, with nothing done, where
-        it cannot: the caller then uses ``write``."""
+        """Write ``data`` without copying most of it: where its address and the file's position
+        agree modulo ALIGN, the bytes up to its first aligned address go through the buffer,
+        and its whole blocks from there are written from where they lie; ``release()`` runs
+        once those bytes are written (or the file is closed), and ``data`` must stay unchanged
+        until then. False, with nothing done, where it cannot: the caller then uses ``write``."""
         src = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        whole = src.nbytes // ALIGN * ALIGN
-        addr = _address(src) if self._direct and whole else None
-        if addr is None or addr % ALIGN or not self.aligned():
+        addr = _address(src) if self._direct and src.nbytes >= ALIGN else None
+        if addr is None:
             return False
+        head = (-addr) % ALIGN
+        whole = (src.nbytes - head) // ALIGN * ALIGN
+        if whole <= 0 or (self._fill - self._mark + head) % ALIGN:
+            return False
+        if head:  # through the buffer: the file's next byte is then on a block
+            self.write(src[:head])
+            src = src[head:]
         if self._fill > self._mark:  # the buffer's bytes before it go first
             self._queue.append(self._view[self._mark : self._fill])
             self._queued += self._fill - self._mark

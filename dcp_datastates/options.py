@@ -61,6 +61,13 @@ class WriterOptions:
             writes through the page cache, which frees blocks at memory speed and holds the
             dirty bytes until ``fsync`` (``docs/benchmarks.md``, issue 11). Only with
             ``sync_files``; object stores ignore it.
+        live_flush: Let the flush write big host tensors straight from the live state while
+            the snapshot copies run, where the pool holds the whole state and data files are
+            written with ``O_DIRECT``: it starts at the back of the state as the copies start at
+            the front, and what it writes before they get there is never copied (``flush.py``;
+            less CPU per save, ``docs/benchmarks.md``, issue 11). A live write checks the
+            tensor's version counter afterwards, as a copy does, and stops at the next
+            ``optimizer.step()`` (the rest of its piece is then copied).
         overwrite: Allow saving into a directory that already holds a committed checkpoint. The old
             commit record is removed before any data is written, so a crash mid-overwrite leaves an
             uncommitted directory, never a checkpoint that mixes old and new data.
@@ -85,6 +92,7 @@ class WriterOptions:
     guard_on_device: bool = True
     sync_files: bool = True
     direct_writes: bool = True
+    live_flush: bool = True
     overwrite: bool = True
     # Not hashed (a dict is not hashable; the PROCESS daemon keys its runtimes by options), but
     # compared: options that differ only here are still different options.
@@ -128,6 +136,7 @@ class WriterOptions:
             "guard_on_device",
             "sync_files",
             "direct_writes",
+            "live_flush",
             "overwrite",
         ):
             value = getattr(self, name)

@@ -590,6 +590,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             stats.optimizer_wait_s = session.optimizer_wait_s
             stats.forward_frozen_bytes = session.forward_frozen_bytes
             stats.forward_blocked_s = session.forward_blocked_s
+            stats.live_bytes = session.live_bytes
         if save.synchronous:
             stats.blocked_s = stats.durable_s
 

@@ -2,6 +2,7 @@
 
     python scripts/bench_priority.py train 10 [0,10]     # training overhead: cycles, nice values
     python scripts/bench_priority.py train 16 "copy_workers=1;copy_workers=2"  # or writer options
+    python scripts/bench_priority.py train 16 "live_flush=True;live_flush=False"
     python scripts/bench_priority.py safe 1.0 4 [0,10]   # safe vs DefaultStager: GB, rounds
 
 ``train``: the train scenario's model (0.33 GB state, AdamW), run as blocks of 4 steps; each block
@@ -68,7 +69,7 @@ def _block(system: str, trainee: _Trainee, writer: DataStatesWriter | None, path
     return took
 
 
-def train(cycles: int, configs: list[dict[str, int]]) -> None:
+def train(cycles: int, configs: list[dict[str, int | bool]]) -> None:
     root = Path(tempfile.mkdtemp(prefix="bench_priority_"))
     names = ["ours " + ",".join(f"{k}={v}" for k, v in c.items()) for c in configs]
     systems = ["none", "stock async_save", *names]
@@ -148,19 +149,22 @@ def _nices(args: list[str], at: int) -> list[int]:
         ) from None
 
 
-def _configs(args: list[str], at: int) -> list[dict[str, int]]:
+def _configs(args: list[str], at: int) -> list[dict[str, int | bool]]:
     """Writer options per system: ``"copy_workers=1;copy_workers=2,flush_nice=0"``, or nice
     values as before (``0,10``)."""
     if len(args) > at and "=" in args[at]:
         configs = []
         for config in args[at].split(";"):
-            options = {}
+            options: dict[str, int | bool] = {}
             for kv in config.split(","):
                 name, _, value = kv.partition("=")
+                if value in ("True", "False"):
+                    options[name.strip()] = value == "True"
+                    continue
                 if not value.lstrip("-").isdigit():
                     raise SystemExit(
-                        f"writer option {kv!r} in {args[at]!r} is not name=integer; write e.g. "
-                        '"copy_workers=1;copy_workers=2,flush_nice=0"'
+                        f"writer option {kv!r} in {args[at]!r} is not name=integer (or "
+                        'name=True/False); write e.g. "copy_workers=1;copy_workers=2,flush_nice=0"'
                     )
                 options[name.strip()] = int(value)
             configs.append(options)

@@ -412,7 +412,7 @@ def test_big_tensors_are_written_from_the_pool_at_aligned_offsets_and_load_back(
     monkeypatch.setattr(DirectFile, "write_external", counting)
     torch.manual_seed(0)
     # Big tensors of odd sizes between small ones and objects: each big one's data is padded
-    # onto a block of the file; small ones follow their neighbour directly.
+    # to its address modulo a block of the file; small ones follow their neighbour directly.
     state = {
         "a": torch.randn(300_001),
         "b": torch.arange(7, dtype=torch.int64),
@@ -429,7 +429,10 @@ def test_big_tensors_are_written_from_the_pool_at_aligned_offsets_and_load_back(
     entries = decode_manifest((tmp_path / "ckpt" / MANIFEST_NAME).read_bytes())
     big = {k: e for k, e in entries.items() if e.data_length >= localfile.EXTERNAL_MIN}
     assert sorted(big) == ["a@0", "c@0,0", "d@0"]
-    assert all(e.data_offset % ALIGN == 0 for e in big.values())
+    # Each at its tensor's address modulo a block: its pool copy lies the same way (engine.py),
+    # so either can be written directly.
+    for key, e in big.items():
+        assert e.data_offset % ALIGN == state[key.split("@")[0]].data_ptr() % ALIGN, key
     assert sum(taken) >= sum(e.data_length for e in big.values()) - len(taken) * ALIGN
     ends = sorted((e.offset, e.offset + e.length) for e in entries.values())
     assert all(b[0] - a[1] < ALIGN for a, b in zip(ends, ends[1:], strict=False))

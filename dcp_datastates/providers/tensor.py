@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 import torch
 
 from ..errors import InvalidStateDictError, SnapshotMutationError
 from ..format import RecordFrame, record_frame
+
+#: Alignment of a direct write (``localfile.ALIGN``): a part that may be written from the live
+#: tensor lies in the pool at its source address modulo this (``live_skew``).
+_ALIGN = 4096
+
+#: Tensors smaller than this are never written from the live tensor (``begin_live``): below
+#: it a direct write gains nothing (``localfile.EXTERNAL_MIN``), and their freezes (thousands
+#: of small tensors in ``stage()``) skip the lock below.
+LIVE_MIN_BYTES = 1 << 20
+
+#: Guards live writes against freezes (``begin_live``, ``freeze``): one for all providers,
+#: held for a few instructions at a time.
+_live_lock = threading.Condition(threading.Lock())
 
 
 class TensorProvider:
@@ -51,6 +65,8 @@ class TensorProvider:
         #: Host parts whose bytes were checked unchanged right after their copy, before they
         #: counted as done: once all are, a later write cannot have reached the snapshot.
         self._parts_verified = 0
+        #: Live writes in flight (``begin_live``): a freeze waits for them.
+        self._live_busy = 0
 
     @property
     def nbytes(self) -> int:
@@ -162,6 +178,76 @@ class TensorProvider:
                 unversioned=now == self._version,
             )
 
+    def live_skew(self, start: int) -> int | None:
+        """Where byte ``start`` lies modulo the direct-write alignment, for a part the flush may
+        write straight from the live tensor (a contiguous host tensor of the caller's); None for
+        any other part (a private copy, a device or strided tensor)."""
+        src = self.source
+        if (
+            self.private
+            or not self._contiguous
+            or self._nbytes < LIVE_MIN_BYTES
+            or src is None
+            or not src.is_cpu
+        ):
+            return None
+        return (src.data_ptr() + start) % _ALIGN
+
+    def begin_live(self, start: int, stop: int) -> memoryview | None:
+        """The live bytes ``[start, stop)`` for the flush to write in place of a copy, or None
+        where they cannot be (frozen, changed, released, or the storage resized since
+        ``stage()``). Until :meth:`end_live`, a freeze waits: the forward gate then copies the
+        buffer only once this write has read it."""
+        with _live_lock:
+            live = self.source
+            if (
+                live is None
+                or self._frozen is not None
+                or self._torn is not None
+                or self.live_skew(start) is None
+                or not _holds(live, stop)
+                or live._version != self._version
+            ):
+                return None
+            self._live_busy += 1
+        flat = live.reshape(-1) if live.dim() != 1 else live
+        # numpy's view keeps the tensor (and so its memory) alive as long as the memoryview.
+        return memoryview(flat.view(torch.uint8)[start:stop].numpy())
+
+    def cancel_live(self) -> None:
+        """A view from :meth:`begin_live` that will not be written (the copy came first)."""
+        with _live_lock:
+            self._live_busy -= 1
+            _live_lock.notify_all()
+
+    def end_live(self, view: memoryview, start: int, stop: int) -> None:
+        """The live bytes ``[start, stop)`` from :meth:`begin_live` were written: check that
+        nothing changed them (version counter, and the bytes sampled at ``stage()``), and count
+        the part done, as a copy's check does. Raises :class:`SnapshotMutationError`."""
+        try:
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
+            if addr and probes_differ(self._probes, addr, start, stop):
+                live = self.source
+                now = live._version if live is not None else self._version
+                raise SnapshotMutationError(
+                    fqn=self.fqn,
+                    rank=_rank(),
+                    before=self._version,
+                    after=now,
+                    unversioned=now == self._version,
+                )
+            live = self.source
+            if live is not None and live._version != self._version:
+                raise SnapshotMutationError(
+                    fqn=self.fqn, rank=_rank(), before=self._version, after=live._version
+                )
+            self._parts_done += 1
+            self._parts_verified += 1
+        finally:
+            with _live_lock:
+                self._live_busy -= 1
+                _live_lock.notify_all()
+
     def check_unchanged(self, rank: int) -> None:
         if self._torn is not None:
             raise SnapshotMutationError(
@@ -185,6 +271,15 @@ class TensorProvider:
         forward gate for module buffers). A live tensor that changed before the freeze is
         recorded: the snapshot then fails with :class:`SnapshotMutationError`.
         """
+        if self._nbytes < LIVE_MIN_BYTES:  # never written live
+            return self._freeze()
+        with _live_lock:
+            # A live write of this tensor in flight reads the bytes the caller is about to
+            # change: it ends first (a part it wrote counts as copied), and none starts after.
+            _live_lock.wait_for(lambda: not self._live_busy)
+            return self._freeze()
+
+    def _freeze(self) -> int:
         live = self.source
         if (
             live is None

@@ -6,6 +6,20 @@ coalesced. Each piece moves through these states (the names are used in code and
     PENDING --reserve pool block--> ADMITTED --copy + version check--> COPIED --flushed--> RELEASED
        |                                |                                          ^
        +--(no item needs it)--> SKIPPED +--(copy failed / save aborted)--> FAILED --+
+       |                                |
+                                        |
+                                        +--(flush writes it live)--> LIVE --+--> WRITTEN
+                                                                            +--> COPIED (rest)
+
+A piece of a contiguous host tensor may be written by the flush straight from the live tensor
+instead (``claim_live``): while no copy has started on it and the save is live, the flush
+claims it (LIVE), writes it in steps from the live tensor and checks that the tensor did not
+change (WRITTEN: its pool block goes back unused). A step that begins (``stop_live``), or the
+last copy ending (``hurry``), makes it copy what is left into the piece's pool block and
+write that from there (COPIED). A copy worker skips a LIVE piece, and ``staged`` waits for it.
+The flush of a session whose pool holds all of it writes such pieces from the back of the
+state while the copies go from the front (``flush.py``), so what the disk writes before the
+copies get there is never copied.
 
 Pieces are admitted strictly in sequence order by one scheduler thread per writer, across saves,
 and the flush stage consumes each file's pieces in that same order; with no piece larger than the
@@ -48,13 +62,15 @@ from .workers import CopyWorkers
 
 logger = logging.getLogger(__name__)
 
-PENDING, ADMITTED, COPIED, RELEASED, SKIPPED, FAILED = (
+PENDING, ADMITTED, COPIED, RELEASED, SKIPPED, FAILED, LIVE, WRITTEN = (
     "PENDING",
     "ADMITTED",
     "COPIED",
     "RELEASED",
     "SKIPPED",
     "FAILED",
+    "LIVE",
+    "WRITTEN",
 )
 
 
@@ -67,6 +83,7 @@ class Piece:
     state: str = PENDING
     offset: int = -1  # pool offset once ADMITTED
     refs: int = 0
+    copying: bool = False  # a copy worker took it: the flush may no longer write it live
     done: Latch = field(default_factory=Latch)
     #: set once the copy is enqueued on the device (or the piece is done): a fence may follow
     enqueued: Latch = field(default_factory=Latch)
@@ -131,6 +148,15 @@ class SnapshotSession:
         self.eager_bytes = 0
         self.forward_frozen_bytes = 0
         self.forward_blocked_s = 0.0
+        #: Bytes the flush wrote straight from the live tensors (never copied).
+        self.live_bytes = 0
+        #: Whether the flush may write pieces from the live tensors (``claim_live``): set by the
+        #: runtime for a host session its pool holds whole; cleared when a step begins.
+        self.live = False
+        #: Parts the flush may write from the live tensor (big contiguous host tensors).
+        self.live_parts = 0
+        self._live_inflight = 0  # LIVE pieces (under _lock)
+        self._step_began = False  # stop_live was called: start_live refuses
         self._lock = threading.Lock()
         self._unfinished = 0
         self._retiring = False
@@ -213,6 +239,12 @@ class SnapshotSession:
     def _add(self, key: Any, piece: Piece, provider: StateProvider, start: int, stop: int) -> None:
         at = piece.nbytes
         at += (-at) % 64  # keep every part aligned for dtype views of the pool
+        skew = getattr(provider, "live_skew", None)
+        if at == 0 and skew is not None and (s := skew(start)) is not None:
+            # A part the flush may write from the live tensor lies in the pool at the same
+            # address modulo a block: its record's padding then suits both (flush.py).
+            at = s
+            self.live_parts += 1
         piece.parts.append((provider, start, stop, at))
         note_part = getattr(provider, "note_part", None)
         if note_part is not None:
@@ -246,6 +278,77 @@ class SnapshotSession:
                 return False
             piece.state, piece.offset = ADMITTED, offset
             return True
+
+    def start_copy(self, piece: Piece) -> bool:
+        """A copy worker takes ``piece``; False if the flush is writing it from the live tensor
+        (which then owns its block)."""
+        with self._lock:
+            if piece.state == ADMITTED:
+                piece.copying = True
+                return True
+            return False
+
+    def claim_live(self, piece: Piece) -> bool:
+        """Whether the flush writes ``piece`` from the live tensor: it is admitted (its pool
+        block takes what is left if the flush must hurry), no copy started on it, and the save
+        is live. Then it is LIVE until :meth:`live_done`."""
+        with self._lock:
+            if self.hurry() or piece.copying or piece.state != ADMITTED:
+                return False
+            piece.state = LIVE
+            self._live_inflight += 1
+            return True
+
+    def hurry(self) -> bool:
+        """Whether a live write should stop writing from the live tensor and copy the rest of
+        its piece into the pool: an optimizer step began, the save failed, or every other
+        piece is copied (so ``staged`` waits only for live writes)."""
+        return not self.live or self.error is not None or self._unfinished <= self._live_inflight
+
+    def live_done(
+        self, piece: Piece, nbytes: int, error: BaseException | None, *, rest_copied: bool
+    ) -> None:
+        """The flush is done with the LIVE ``piece``: ``nbytes`` of it written from the live
+        tensor, and the rest copied into its pool block (``rest_copied``: then it is COPIED,
+        its block released once flushed) or none (WRITTEN, block released now); or it failed
+        with ``error``."""
+        with self._lock:
+            self._live_inflight -= 1
+            if error is not None:
+                piece.state = FAILED
+                if self.error is None:
+                    self.error = error
+                self._release(piece)
+            elif rest_copied:
+                piece.state = COPIED
+            else:
+                piece.state = WRITTEN
+                if piece.offset >= 0:
+                    self.pool.release(piece.offset)
+                    piece.offset = -1
+            self.live_bytes += nbytes
+            self._finished_one()
+            retire = self._retiring and self._quiet()
+        piece.finish()
+        if error is not None:
+            self.abort(error)
+        if retire:
+            self._retire_now()
+
+    def start_live(self) -> bool:
+        """Let the flush write from the live tensors (the runtime, as the flush starts), unless
+        an optimizer step began already or the snapshot is staged; returns ``live``."""
+        with self._lock:
+            self.live = not self._step_began and not self.staged.done()
+            return self.live
+
+    def stop_live(self) -> None:
+        """An optimizer step begins: no more writes from the live tensors (the step changes
+        them), from now on; one in flight copies the rest of its piece into the pool
+        (``hurry``)."""
+        with self._lock:
+            self._step_began = True
+            self.live = False
 
     def copied(self, piece: Piece, error: BaseException | None) -> None:
         with self._lock:
@@ -331,7 +434,7 @@ class SnapshotSession:
     # -- retiring --------------------------------------------------------------------------
     def _quiet(self) -> bool:
         # caller holds self._lock: no copy is running or will start
-        return all(p.state != ADMITTED for p in self.pieces) and (
+        return all(p.state not in (ADMITTED, LIVE) for p in self.pieces) and (
             self.aborted or all(p.state != PENDING for p in self.pieces)
         )
 
@@ -366,7 +469,7 @@ class SnapshotSession:
     @property
     def finished(self) -> bool:
         """No piece holds pool memory any more, nor will."""
-        return self.aborted or all(p.state in (RELEASED, SKIPPED) for p in self.pieces)
+        return self.aborted or all(p.state in (RELEASED, SKIPPED, WRITTEN) for p in self.pieces)
 
     def fence_on_device(self) -> bool:
         """Make the calling thread's current streams wait for every copy instead of the host.
@@ -567,6 +670,8 @@ def _copy_frozen_parts(session: SnapshotSession, piece: Piece) -> None:
 
 
 def _copy_piece(session: SnapshotSession, piece: Piece) -> None:
+    if not session.start_copy(piece):  # the flush wrote it from the live tensor
+        return
     error: BaseException | None = None
     try:
         for provider, start, stop, at in piece.parts:

@@ -27,9 +27,12 @@ from .._signals import wait_in_slices
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-#: Staged futures optimizer steps wait for, each with who to tell how long a step waited and
-#: how to fence the step on the device instead (None: the host waits).
-_pending: dict[Future[None], tuple[Callable[[float], None] | None, Callable[[], bool] | None]] = {}
+#: Staged futures optimizer steps wait for, each with who to tell how long a step waited, how
+#: to fence the step on the device instead (None: the host waits) and what to tell as it begins.
+_pending: dict[
+    Future[None],
+    tuple[Callable[[float], None] | None, Callable[[], bool] | None, Callable[[], None] | None],
+] = {}
 _handle: Any = None
 #: Seconds optimizer steps spent waiting on snapshots (all writers), for tests and logs.
 waited_seconds = 0.0
@@ -41,12 +44,15 @@ fences = 0
 def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     global waited_seconds, waits, fences
     with _lock:
-        pending = [(f, cb, fence) for f, (cb, fence) in _pending.items() if not f.done()]
+        pending = [(f, *rest) for f, rest in _pending.items() if not f.done()]
     if not pending:
         return
     start = time.perf_counter()
     host = False
-    for staged, on_wait, fence in pending:
+    for _staged, _on_wait, _fence, on_step in pending:
+        if on_step is not None:  # first: writes from the live tensors stop before any wait
+            on_step()
+    for staged, on_wait, fence, _on_step in pending:
         if fence is None or not _fenced(fence):
             host = True
             # In slices: a snapshot held back by a hung flush must not keep a signal's handler
@@ -79,15 +85,18 @@ def guard(
     staged: Future[None],
     on_wait: Callable[[float], None] | None = None,
     fence: Callable[[], bool] | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> None:
     """Make optimizer steps wait for ``staged`` until it resolves; ``on_wait(seconds)`` is told
     how long each step that waited was held back by it. ``fence``, if given, is tried first:
-    True means the step's stream now waits for the snapshot on the device, not the host."""
+    True means the step's stream now waits for the snapshot on the device, not the host.
+    ``on_step()``, if given, runs as a step begins, before any wait (the snapshot stops
+    writing from the live tensors, ``SnapshotSession.stop_live``)."""
     global _handle
     with _lock:
         if _handle is None:
             _handle = register_optimizer_step_pre_hook(_pre_step_hook)
-        _pending[staged] = (on_wait, fence)
+        _pending[staged] = (on_wait, fence, on_step)
     staged.add_done_callback(_forget)
 
 

@@ -282,7 +282,7 @@ class SnapshotRuntime:
         if self.options.guard_optimizer_step:
             # On CUDA the step's stream may wait on the copies instead of the host (a fence).
             fence = session.fence_on_device if self.options.guard_on_device else None
-            _guard.guard(session.staged, session.add_optimizer_wait, fence)
+            _guard.guard(session.staged, session.add_optimizer_wait, fence, session.stop_live)
         if self.options.guard_forward:
             _forward_gate.protect(session)
         assert self._resources is not None
@@ -357,7 +357,7 @@ class SnapshotRuntime:
             with self._lock:
                 self._returning.append((threading.current_thread(), returning))
         if self.options.guard_optimizer_step:
-            _guard.guard(session.staged, session.add_optimizer_wait, None)
+            _guard.guard(session.staged, session.add_optimizer_wait, None, session.stop_live)
         if self.options.guard_forward:
             _forward_gate.hold(session)
         self.last_staged = session.staged
@@ -515,6 +515,16 @@ class SnapshotRuntime:
             # waited for itself, and close() for both.
             session.retire()
             return failed
+        # Host copies whose pool holds the whole session: the flush writes what the copies
+        # have not reached straight from the live tensors (engine.py, flush.py), from now on.
+        if (
+            self.options.live_flush
+            and session.live_parts > 0
+            and session.device.synchronous
+            and session.pool is not None
+            and session.nbytes <= session.pool.capacity
+        ):
+            session.start_live()
         result = flush(
             storage=storage,
             items=items,
@@ -523,11 +533,13 @@ class SnapshotRuntime:
             workers=self.options.flush_workers,
             sync=self.options.sync_files,
             nice=self.options.flush_nice,
-            # Host copies: writes started while the snapshot copies take cores and memory
+            # Other host copies: writes started while the snapshot copies take cores and memory
             # bandwidth from it on a small machine, and the copy is what the caller waits for.
             # The flush threads wait until the snapshot is staged, or needs pool space that only
             # a flush can free (a state larger than the pool still streams).
-            start_after=session.flush_may_start if session.device.synchronous else None,
+            start_after=(
+                session.flush_may_start if session.device.synchronous and not session.live else None
+            ),
         )
         res.track(result)
         result.add_done_callback(lambda _f: self._flush_over(session))
