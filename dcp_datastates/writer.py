@@ -23,7 +23,8 @@ Lifecycle of one save (the state names appear in code, logs and docs)::
                                                     name each rank's files
     FLUSHING   DCP save thread +      every         write_data: files written as pieces land;
                flush threads                        a plain dcp.save (no stage) snapshots here
-    SAFE       snapshot threads       every         all pieces copied: staged future resolves
+    SAFE       snapshot threads       every         all pieces copied (or written from the live
+                                                    tensors): staged future resolves
     DURABLE    flush threads          every         every file of this rank fsynced once
     COMMITTED  DCP save thread        coordinator   finish: manifest, then .metadata atomically
     RETIRED    any                    every         the save is over: pool blocks back, no

@@ -6,7 +6,8 @@ returning). As ``threading.Event`` each was eight objects (the event, its ``Cond
 condition's lock, deque, dict and bound lock methods): about 2,100 of the 9,000 objects a save of
 the train benchmark's state kept alive, which the cyclic GC's young collections promote and
 which so set off its full collections (0.1 per save, 170 ms each). Most are never waited on
-while unset (the flush starts once the snapshot is staged), so the event is made on demand.
+while unset (the flush of host state without live writes starts once the snapshot is staged),
+so the event is made on demand.
 """
 
 from __future__ import annotations
