@@ -8,6 +8,7 @@ the flush (which starts from the back) takes the others live.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from dcp_datastates.format import METADATA_NAME
 from dcp_datastates.localfile import DirectFile
 from dcp_datastates.providers import tensor as tensor_mod
 from dcp_datastates.snapshot.engine import SnapshotSession
+from dcp_datastates.stats import SaveStats
 
 MiB = 1 << 20
 WAIT = 60
@@ -63,6 +65,34 @@ def _hold_first_copy(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, 
     return copying, release
 
 
+def _save(
+    tmp_path: Path,
+    state: dict[str, Any],
+    *,
+    during: Callable[[], None] | None = None,
+    release: Callable[[], None] | None = None,
+    **options: Any,
+) -> SaveStats:
+    """One ``dcp_datastates.async_save`` of ``state`` to ``tmp_path / "ckpt"`` by a writer with
+    one copy worker and one file (``options`` on top); ``during()`` runs while it is in flight,
+    ``release()`` before the writer closes, whatever happened."""
+    options = {"copy_workers": 1, "flush_workers": 1, "eager_copy_bytes": 0, **options}
+    writer = DataStatesWriter(tmp_path / "w", **options)
+    try:
+        response = dcp_datastates.async_save(
+            state, writer, checkpoint_id=tmp_path / "ckpt", no_dist=True
+        )
+        if during is not None:
+            during()
+        response.upload_completion.result(timeout=WAIT)
+        assert writer.last_stats is not None
+        return writer.last_stats
+    finally:
+        if release is not None:
+            release()
+        writer.close()
+
+
 def _load_both(path: Path, like: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     stock = {k: torch.zeros_like(v) for k, v in like.items()}
     dcp.load(stock, checkpoint_id=path, no_dist=True)
@@ -92,17 +122,7 @@ def test_tensors_the_copies_have_not_reached_are_written_live_and_load_back_equa
 
     monkeypatch.setattr(SnapshotSession, "claim_live", claim_after_a_copy_started)
     monkeypatch.setattr(tensor_mod.TensorProvider, "end_live", end_then_release)
-    writer = DataStatesWriter(tmp_path / "w", copy_workers=1, flush_workers=1, eager_copy_bytes=0)
-    try:
-        response = dcp_datastates.async_save(
-            state, writer, checkpoint_id=tmp_path / "ckpt", no_dist=True
-        )
-        response.upload_completion.result(timeout=WAIT)
-        stats = writer.last_stats
-    finally:
-        release.set()
-        writer.close()
-    assert stats is not None
+    stats = _save(tmp_path, state, release=release.set)
     nbytes = {k: v.numel() * v.element_size() for k, v in state.items()}
     # "d" at least (written live before the copy of "a" went on), never "a" (being copied) nor
     # "c" (small)
@@ -178,20 +198,18 @@ def test_a_step_that_begins_mid_write_gets_the_rest_copied_and_the_checkpoint_it
 
     monkeypatch.setattr(SnapshotSession, "stop_live", stop_then_release)
     monkeypatch.setattr(DirectFile, "submit", submit_once_then_wait)
-    writer = DataStatesWriter(tmp_path / "w", copy_workers=1, flush_workers=1, eager_copy_bytes=0)
-    try:
-        response = dcp_datastates.async_save(
-            {"first": first, "big": big}, writer, checkpoint_id=tmp_path / "ckpt", no_dist=True
-        )
+
+    def step_mid_write() -> None:
         assert wrote_once.wait(WAIT)
         opt.step()  # waits until "big" is copied (and "first"), then changes both
-        response.upload_completion.result(timeout=WAIT)
-        stats = writer.last_stats
-    finally:
-        step_began.set()
-        release.set()
-        writer.close()
-    assert stats is not None and stats.live_bytes == MiB  # one step live, the rest copied
+
+    stats = _save(
+        tmp_path,
+        {"first": first, "big": big},
+        during=step_mid_write,
+        release=lambda: (step_began.set(), release.set()),
+    )
+    assert stats.live_bytes == MiB  # one step live, the rest copied
     assert not torch.equal(big.detach(), expected["big"])  # the step did change it
     for loaded in _load_both(tmp_path / "ckpt", expected):
         for k, v in expected.items():
@@ -203,16 +221,8 @@ def test_no_live_writes_when_turned_off_or_the_pool_is_smaller_than_the_state(
     tmp_path: Path, options: dict[str, Any]
 ) -> None:
     state = _state()
-    writer = DataStatesWriter(tmp_path / "w", flush_workers=1, chunk_bytes=MiB, **options)
-    try:
-        response = dcp_datastates.async_save(
-            state, writer, checkpoint_id=tmp_path / "ckpt", no_dist=True
-        )
-        response.upload_completion.result(timeout=WAIT)
-        stats = writer.last_stats
-    finally:
-        writer.close()
-    assert stats is not None and stats.live_bytes == 0
+    stats = _save(tmp_path, state, copy_workers=2, chunk_bytes=MiB, **options)
+    assert stats.live_bytes == 0
     for loaded in _load_both(tmp_path / "ckpt", state):
         for k, v in state.items():
             assert torch.equal(loaded[k], v), k
@@ -257,28 +267,23 @@ def test_a_forward_that_updates_a_buffer_being_written_live_waits_for_that_write
             assert go.wait(WAIT)
 
     monkeypatch.setattr(DirectFile, "submit", submit_then_wait_once)
-    writer = DataStatesWriter(tmp_path / "w", copy_workers=1, flush_workers=1, eager_copy_bytes=0)
     forward = threading.Thread(target=lambda: model(torch.randn(1, 4)))
-    try:
-        response = dcp_datastates.async_save(
-            state, writer, checkpoint_id=tmp_path / "ckpt", no_dist=True
-        )
+
+    def forward_during_the_write() -> None:
         assert writing.wait(WAIT)
         forward.start()
         assert freeze_waits.wait(WAIT)
         go.set()
         release.set()
         forward.join(WAIT)
-        response.upload_completion.result(timeout=WAIT)
-        stats = writer.last_stats
-    finally:
-        go.set()
-        release.set()
-        writer.close()
+
+    stats = _save(
+        tmp_path, state, during=forward_during_the_write, release=lambda: (go.set(), release.set())
+    )
     assert not forward.is_alive()
     assert torch.equal(model.total, torch.ones(MiB // 2))  # forward ran after the write
     # The first step was written live; the second too, or copied if the copies ended first.
-    assert stats is not None and MiB <= stats.live_bytes <= 2 * MiB
+    assert MiB <= stats.live_bytes <= 2 * MiB
     assert stats.forward_frozen_bytes == 0  # the write had done the buffer: nothing to freeze
     expected = {"first": state["first"], "model.total": torch.zeros(MiB // 2)}
     for loaded in _load_both(tmp_path / "ckpt", expected):

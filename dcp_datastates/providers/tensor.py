@@ -149,7 +149,7 @@ class TensorProvider:
             if frozen is not None:
                 self._copy(frozen, dst, start, stop)
         if self._contiguous:
-            self._check_probes(dst, start, stop)
+            self._check_probes(dst.data_ptr(), start, stop)
         verified = src is live and src.is_cpu and dst.is_cpu  # a host copy is done on return
         # Checked before the part counts as done: from then on freeze() leaves the live tensor
         # to the caller's forward, and a write right after it must not fail a snapshot whose
@@ -163,11 +163,12 @@ class TensorProvider:
         if verified:
             self._parts_verified += 1
 
-    def _check_probes(self, dst: torch.Tensor, start: int, stop: int) -> None:
-        """Compare the copied bytes with those sampled at stage time, where this chunk has any:
-        catches writes that do not bump the version counter (``.data``, ``.numpy()``, a
-        ``torch.from_numpy`` view) when they touch a sampled byte."""
-        if probes_differ(self._probes, dst.data_ptr(), start, stop):
+    def _check_probes(self, addr: int, start: int, stop: int) -> None:
+        """Compare the bytes ``[start, stop)`` copied (or written) from ``addr`` with those
+        sampled at stage time, where this chunk has any: catches writes that do not bump the
+        version counter (``.data``, ``.numpy()``, a ``torch.from_numpy`` view) when they touch a
+        sampled byte."""
+        if probes_differ(self._probes, addr, start, stop):
             live = self.source
             now = live._version if live is not None else self._version
             raise SnapshotMutationError(
@@ -225,17 +226,8 @@ class TensorProvider:
         nothing changed them (version counter, and the bytes sampled at ``stage()``), and count
         the part done, as a copy's check does. Raises :class:`SnapshotMutationError`."""
         try:
-            addr = ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
-            if addr and probes_differ(self._probes, addr, start, stop):
-                live = self.source
-                now = live._version if live is not None else self._version
-                raise SnapshotMutationError(
-                    fqn=self.fqn,
-                    rank=_rank(),
-                    before=self._version,
-                    after=now,
-                    unversioned=now == self._version,
-                )
+            if view.nbytes:
+                self._check_probes(ctypes.addressof(ctypes.c_char.from_buffer(view)), start, stop)
             live = self.source
             if live is not None and live._version != self._version:
                 raise SnapshotMutationError(

@@ -329,11 +329,7 @@ class SnapshotSession:
             self.live_bytes += nbytes
             self._finished_one()
             retire = self._retiring and self._quiet()
-        piece.finish()
-        if error is not None:
-            self.abort(error)
-        if retire:
-            self._retire_now()
+        self._finished(piece, error, retire)
 
     def start_live(self) -> bool:
         """Let the flush write from the live tensors (the runtime, as the flush starts), unless
@@ -360,6 +356,10 @@ class SnapshotSession:
                 self._release(piece)
             self._finished_one()
             retire = self._retiring and self._quiet()
+        self._finished(piece, error, retire)
+
+    def _finished(self, piece: Piece, error: BaseException | None, retire: bool) -> None:
+        # outside self._lock: a piece just done (copied, written live or failed)
         piece.finish()
         if error is not None:
             self.abort(error)
