@@ -17,7 +17,6 @@ suits both paths. Once an optimizer step begins (``stop_live``), the rest comes 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import threading
@@ -199,7 +198,8 @@ def _write_live(f: Any, session: SnapshotSession, slice_: Any, crc: int) -> int 
                 done += part.nbytes
             if done < n:  # a step began, or the copies are done: the rest into the pool block
                 dst = session.pool.view(piece.offset + slice_.start + done, n - done)
-                src = ctypes.addressof(ctypes.c_char.from_buffer(view[done:]))
+                src = localfile._address(view[done:])
+                assert src is not None  # a tensor's memory is writable
                 host_copy(dst.data_ptr(), src, n - done)
         finally:
             provider.end_live(view, start, stop)  # raises if the tensor changed meanwhile

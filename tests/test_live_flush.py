@@ -120,9 +120,20 @@ def test_tensors_the_copies_have_not_reached_are_written_live_and_load_back_equa
         real_end(self, view, start, stop)
         release.set()
 
+    refused: list[int] = []
+    real_external = DirectFile.write_external
+
+    def external(self: DirectFile, data: memoryview, release_: Any) -> bool:
+        ok = real_external(self, data, release_)
+        if not ok:
+            refused.append(data.nbytes)
+        return ok
+
     monkeypatch.setattr(SnapshotSession, "claim_live", claim_after_a_copy_started)
     monkeypatch.setattr(tensor_mod.TensorProvider, "end_live", end_then_release)
+    monkeypatch.setattr(DirectFile, "write_external", external)
     stats = _save(tmp_path, state, release=release.set)
+    assert refused == []  # live bytes and pool copies alike written from where they lie
     nbytes = {k: v.numel() * v.element_size() for k, v in state.items()}
     # "d" at least (written live before the copy of "a" went on), never "a" (being copied) nor
     # "c" (small)

@@ -239,8 +239,13 @@ class SnapshotSession:
     def _add(self, key: Any, piece: Piece, provider: StateProvider, start: int, stop: int) -> None:
         at = piece.nbytes
         at += (-at) % 64  # keep every part aligned for dtype views of the pool
-        skew = getattr(provider, "live_skew", None)
-        if at == 0 and skew is not None and (s := skew(start)) is not None:
+        # Only a piece's first part: the lookup is skipped for the rest (thousands of small
+        # tensors coalesced).
+        if (
+            at == 0
+            and (skew := getattr(provider, "live_skew", None)) is not None
+            and (s := skew(start)) is not None
+        ):
             # A part the flush may write from the live tensor lies in the pool at the same
             # address modulo a block: its record's padding then suits both (flush.py).
             at = s
