@@ -32,7 +32,7 @@ from . import localfile
 from .errors import DataStatesError, StorageWriteError
 from .format import DATA_SUFFIX, RecordInfo
 from .providers.tensor import host_copy
-from .snapshot.engine import SnapshotSession
+from .snapshot.engine import PENDING, SnapshotSession
 from .snapshot.latch import Latch
 from .snapshot.priority import lower_thread_priority
 from .storage import Storage, _write_error
@@ -178,6 +178,11 @@ def _write_live(f: Any, session: SnapshotSession, slice_: Any, crc: int) -> int 
     piece = slice_.piece
     if len(piece.parts) != 1 or session.hurry():
         return None
+    if piece.state == PENDING:
+        # The scheduler admits pieces from the front while the flush starts from the back: a
+        # piece not admitted yet is waited for here, or the copy it fell back to (which needs
+        # the same admission) wrote it, and a piece the flush reached first was never live.
+        piece.admitted.wait()
     provider, start, stop, _ = piece.parts[0]
     begin = getattr(provider, "begin_live", None)
     view = begin(start, stop) if begin is not None else None

@@ -29,10 +29,13 @@ from dcp_datastates.format import METADATA_NAME
 from dcp_datastates.localfile import DirectFile
 from dcp_datastates.providers import tensor as tensor_mod
 from dcp_datastates.snapshot.engine import SnapshotSession
+from dcp_datastates.snapshot.latch import Latch
 from dcp_datastates.stats import SaveStats
 
 MiB = 1 << 20
 WAIT = 60
+#: For a wait that only a bug makes long (the test then fails rather than hangs a minute).
+SHORT = 10
 
 
 def _direct_or_skip(path: Path) -> None:
@@ -138,6 +141,52 @@ def test_tensors_the_copies_have_not_reached_are_written_live_and_load_back_equa
     # "d" at least (written live before the copy of "a" went on), never "a" (being copied) nor
     # "c" (small)
     assert nbytes["d"] <= stats.live_bytes <= nbytes["b"] + nbytes["d"]
+    for loaded in _load_both(tmp_path / "ckpt", state):
+        for k, v in expected.items():
+            assert torch.equal(loaded[k], v), k
+
+
+def test_a_piece_the_flush_reaches_before_the_scheduler_admits_it_is_still_written_live(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler admits pieces from the front, the flush starts from the back: here "d" is
+    admitted only once the flush waits for it (and the copy worker is held on "a"). The flush
+    then writes it live; it used to give up on a piece not yet admitted and wait for its copy,
+    which behind the held copy made a 60-second hang of another test here, once in many runs."""
+    _direct_or_skip(tmp_path)
+    state = _state()
+    expected = {k: v.clone() for k, v in state.items()}
+    _, release = _hold_first_copy(monkeypatch)
+    flush_waits = threading.Event()
+
+    class SeenLatch(Latch):
+        def wait(self, timeout: float | None = None) -> bool:
+            flush_waits.set()
+            return super().wait(timeout)
+
+    real_build, real_admit = SnapshotSession._build, SnapshotSession.admit
+    real_end = tensor_mod.TensorProvider.end_live
+
+    def build(self: SnapshotSession, *args: Any, **kwargs: Any) -> None:
+        real_build(self, *args, **kwargs)
+        for piece in self.pieces:
+            piece.admitted = SeenLatch()
+
+    def admit(self: SnapshotSession, piece: Any, offset: int) -> bool:
+        if piece.parts[0][0].fqn == "d":
+            assert flush_waits.wait(SHORT), "the flush did not wait for d's admission"
+        return real_admit(self, piece, offset)
+
+    def end_then_release(self: Any, view: Any, start: int, stop: int) -> None:
+        real_end(self, view, start, stop)
+        release.set()
+
+    monkeypatch.setattr(SnapshotSession, "_build", build)
+    monkeypatch.setattr(SnapshotSession, "admit", admit)
+    monkeypatch.setattr(tensor_mod.TensorProvider, "end_live", end_then_release)
+    stats = _save(tmp_path, state, release=release.set)
+    assert flush_waits.is_set()
+    assert stats.live_bytes >= state["d"].numel() * state["d"].element_size()
     for loaded in _load_both(tmp_path / "ckpt", state):
         for k, v in expected.items():
             assert torch.equal(loaded[k], v), k

@@ -85,11 +85,14 @@ class Piece:
     refs: int = 0
     copying: bool = False  # a copy worker took it: the flush may no longer write it live
     done: Latch = field(default_factory=Latch)
+    #: set once the piece has its pool block (or is done): a live write may claim it then
+    admitted: Latch = field(default_factory=Latch)
     #: set once the copy is enqueued on the device (or the piece is done): a fence may follow
     enqueued: Latch = field(default_factory=Latch)
     completion: Completion | None = None
 
     def finish(self) -> None:
+        self.admitted.set()
         self.enqueued.set()
         self.done.set()
 
@@ -282,7 +285,8 @@ class SnapshotSession:
                 self.pool.release(offset)
                 return False
             piece.state, piece.offset = ADMITTED, offset
-            return True
+        piece.admitted.set()
+        return True
 
     def start_copy(self, piece: Piece) -> bool:
         """A copy worker takes ``piece``; False if the flush is writing it from the live tensor
