@@ -1,4 +1,4 @@
-"""``CopyWorkers``: the scheduler's copy jobs run on a fixed set of named threads, an error in a
+"""``JobThreads``: the scheduler's copy jobs run on a fixed set of named threads, an error in a
 job is logged and does not end its worker, and shutdown runs what was queued before it ends."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from dcp_datastates.snapshot.workers import CopyWorkers
+from dcp_datastates.snapshot.workers import JobThreads
 
 
 def test_jobs_run_on_the_named_workers_and_shutdown_runs_the_queued_ones() -> None:
-    workers = CopyWorkers(2, "datastates-copy")
+    workers = JobThreads(2, "datastates-copy")
     gate = threading.Event()
     ran: list[tuple[int, str]] = []
     lock = threading.Lock()
@@ -36,7 +36,7 @@ def test_jobs_run_on_the_named_workers_and_shutdown_runs_the_queued_ones() -> No
 def test_an_error_in_a_job_is_logged_and_the_worker_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    workers = CopyWorkers(1, "datastates-copy")
+    workers = JobThreads(1, "datastates-copy")
     done = threading.Event()
 
     def bad() -> None:
@@ -47,13 +47,36 @@ def test_an_error_in_a_job_is_logged_and_the_worker_goes_on(
         workers.submit(done.set)  # the same (only) worker runs the next job
         assert done.wait(30)
         workers.shutdown()
-    assert "a copy job failed" in caplog.text and "a broken job" in caplog.text
+    assert "a job failed" in caplog.text and "a broken job" in caplog.text
 
 
 def test_no_thread_starts_before_the_first_job() -> None:
     before = {t.ident for t in threading.enumerate()}
-    workers = CopyWorkers(3, "datastates-idle")
+    workers = JobThreads(3, "datastates-idle")
     assert {t.ident for t in threading.enumerate()} == before
     workers.shutdown()  # nothing to end
     with pytest.raises(ValueError, match="at least 1"):
-        CopyWorkers(0, "x")
+        JobThreads(0, "x")
+
+
+def test_shutdown_without_wait_returns_while_a_job_runs_and_the_thread_then_ends() -> None:
+    """A writer collected without ``close()`` shuts its planning thread down from inside the
+    garbage collector: that must not wait for a job in flight, and the job still completes."""
+    workers = JobThreads(1, "datastates-plan-test")
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def job() -> None:
+        started.set()
+        release.wait(30)
+        finished.set()
+
+    workers.submit(job)
+    assert started.wait(30)
+    workers.shutdown(wait=False)  # returns although the job is still waiting
+    assert not finished.is_set()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        workers.submit(job)
+    release.set()
+    (thread,) = [t for t in threading.enumerate() if t.name == "datastates-plan-test_0"]
+    thread.join(30)
+    assert finished.is_set() and not thread.is_alive()

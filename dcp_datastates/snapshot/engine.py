@@ -58,7 +58,7 @@ from ..providers import StateProvider
 from .device import CPU, Completion, CopyDevice, devices_of, for_providers
 from .latch import Latch
 from .pool import HostPool
-from .workers import CopyWorkers
+from .workers import JobThreads
 
 logger = logging.getLogger(__name__)
 
@@ -557,7 +557,7 @@ class SnapshotScheduler:
         self._on_stall = on_stall
         self._on_exit: Callable[[], None] | None = None
         self._queue: queue.SimpleQueue[SnapshotSession | None] = queue.SimpleQueue()
-        self._copies = CopyWorkers(copy_workers, "datastates-copy")
+        self._copies = JobThreads(copy_workers, "datastates-copy")
         self._thread = threading.Thread(target=self._run, name="datastates-snapshot", daemon=True)
         self._thread.start()
         _LIVE_SCHEDULERS.add(self)

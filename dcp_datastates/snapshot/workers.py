@@ -1,11 +1,16 @@
-"""The copy workers: a fixed set of threads running the scheduler's copy jobs from one queue.
+"""``JobThreads``: a fixed set of threads running jobs from one queue; the scheduler's copy
+workers and a writer's planning thread.
 
 A ``ThreadPoolExecutor`` did this before, and every job paid for a ``Future`` nobody read (a
 ``Condition`` made, entered on start and on the result, and notified), a work item and the
 executor's idle-thread bookkeeping: on the train scenario's state (129 pieces per save) about
 3.5 ms of process CPU per save on the scheduler and copy threads (112 against 115.6 ms), CPU
-that competes with the training. Jobs here report their own outcome (``session.copied``), so
-a job is a function and its arguments on a ``SimpleQueue``.
+that competes with the training. For the planning thread the submit is on the caller's thread,
+inside ``async_save``: with caches cold after a save (the flush moved the state through them)
+``ThreadPoolExecutor.submit`` took 30-40 us of the 0.6 ms the caller is blocked at 99 tensors, a
+``SimpleQueue.put`` a fraction of that. Jobs here report their own outcome
+(``session.copied``, ``session.plan_failed``), so a job is a function and its arguments on a
+``SimpleQueue``.
 """
 
 from __future__ import annotations
@@ -19,13 +24,13 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-class CopyWorkers:
+class JobThreads:
     """``count`` threads named ``{name}_{i}``, started with the first job; :meth:`shutdown`
-    runs the queued jobs, then ends and joins the threads."""
+    runs the queued jobs, then ends the threads (and waits for them)."""
 
     def __init__(self, count: int, name: str) -> None:
         if count < 1:
-            raise ValueError(f"copy workers must be at least 1, got {count}")
+            raise ValueError(f"{name}: threads must be at least 1, got {count}")
         self._count = count
         self._name = name
         self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None] = (
@@ -48,8 +53,9 @@ class CopyWorkers:
             if self._threads:
                 return
             for i in range(self._count):
-                # Daemons: the scheduler's exit handler (engine._stop_at_exit) shuts them down
-                # before the interpreter finalizes.
+                # Daemons: the scheduler's exit handler (engine._stop_at_exit) shuts the copy
+                # workers down before the interpreter finalizes, and a planning thread serves
+                # the non-daemon save threads the interpreter joins at exit.
                 t = threading.Thread(target=self._work, name=f"{self._name}_{i}", daemon=True)
                 t.start()
                 self._threads.append(t)
@@ -60,17 +66,18 @@ class CopyWorkers:
             try:
                 fn(*args)
             except BaseException:  # never let an error end a worker
-                logger.exception("%s: a copy job failed", threading.current_thread().name)
+                logger.exception("%s: a job failed", threading.current_thread().name)
             # Not held while waiting for the next job: the job's session would live on.
             job = fn = args = None
 
-    def shutdown(self) -> None:
-        """Run the queued jobs, then end the threads and wait for them."""
+    def shutdown(self, wait: bool = True) -> None:
+        """Run the queued jobs, then end the threads; ``wait``: and wait for them (never for
+        the calling thread itself)."""
         with self._lock:
             self._closed = True
             threads = list(self._threads)
         for _ in threads:
             self._jobs.put(None)
-        for t in threads:
+        for t in threads if wait else ():
             if t is not threading.current_thread():
                 t.join()
