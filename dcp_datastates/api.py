@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ._dcp_private import AsyncSaveCall, require_cpu_backend
 from .errors import CheckpointSaveError
 from .planner import StagedSavePlanner
+from .stats import SaveStats
 from .writer import _ANNOUNCED, DataStatesWriter, record_failure
 
 logger = logging.getLogger(__name__)
@@ -70,12 +71,14 @@ def async_save(
     writer._local.staged_stats = None
     token = writer._announce(call)
     try:
-        if owned or call.mode != AsyncCheckpointerType.THREAD.value:
-            # A writer made for this save is closed by its own save thread (relay below), and
-            # PROCESS mode runs in DCP's daemon: both keep dcp.async_save's own executors.
-            returned = dcp.async_save(state_dict, storage_writer=writer, **kwargs)
-        else:
-            returned = _save_on_writer_threads(state_dict, writer, kwargs)
+        if not owned and call.mode == AsyncCheckpointerType.THREAD.value:
+            upload = _save_on_writer_threads(state_dict, writer, kwargs, start)
+            staging = writer.staging_future or _done_future()
+            return AsyncSaveResponse(staging_completion=staging, upload_completion=upload)
+        # A writer made for this save is closed by its own save thread (relay below), and
+        # PROCESS mode runs in DCP's daemon: both keep dcp.async_save's own executors, and
+        # their futures are relayed to report failures as _save_staged does.
+        returned = dcp.async_save(state_dict, storage_writer=writer, **kwargs)
     except BaseException as exc:
         writer._abandon_staged(exc)  # staged, but the save that would write it never started
         if owned:
@@ -118,7 +121,7 @@ _SAVE_KWARGS = frozenset(
 
 
 def _save_on_writer_threads(
-    state_dict: dict[str, Any], writer: DataStatesWriter, kwargs: dict[str, Any]
+    state_dict: dict[str, Any], writer: DataStatesWriter, kwargs: dict[str, Any], start: float
 ) -> Future[Any]:
     """``dcp.async_save`` for the THREAD executor, with the writer's reused save threads.
 
@@ -126,26 +129,39 @@ def _save_on_writer_threads(
     of its steps; on the caller that costs more than ``stage()`` itself for states of a few
     hundred tensors. The steps are the same: the CPU-backend check, ``Stateful`` values'
     ``state_dict()`` on the caller, ``stage()``, ``dcp.save`` on a save thread, and then the
-    writer is told the caller is returning (``should_synchronize_after_execute``)."""
+    writer is told the caller is returning (``should_synchronize_after_execute``). The save
+    thread's future is the caller's ``upload_completion`` (``_save_staged`` reports a failure
+    as ``async_save``'s relay does): a second future and its callback cost the caller 20 us
+    with caches cold after the last save."""
     unknown = set(kwargs) - _SAVE_KWARGS - {"async_checkpointer_type"}
     if unknown:
         raise TypeError(f"async_save() got unexpected keyword arguments: {sorted(unknown)}")
     save_kwargs = {k: v for k, v in kwargs.items() if k in _SAVE_KWARGS}
     require_cpu_backend(kwargs.get("process_group"))
     staged = writer.stage(_stateful_to_state_dict(state_dict))
+    stats = writer._staged_stats()
     try:
-        upload = writer._runtime.run_save(_save_staged, staged, writer, save_kwargs)
+        upload = writer._runtime.run_save(_save_staged, staged, writer, save_kwargs, stats)
     except BaseException as exc:
         writer._abandon_staged(exc)
         raise
+    if stats is not None:  # before planning may start (and so before the save can end)
+        stats.blocked_s = time.monotonic() - start
     writer._returning_from_async_save()
     return upload
 
 
-def _save_staged(staged: Any, writer: DataStatesWriter, save_kwargs: dict[str, Any]) -> Any:
-    """On a writer save thread: what DCP's save thread runs, ``dcp.save`` of the staged state.
-    The thread is reused, so what its exit told the writer is said here: the save's per-thread
-    record is dropped, and so is a snapshot it claimed but never wrote (``save_ended``)."""
+def _save_staged(
+    staged: Any,
+    writer: DataStatesWriter,
+    save_kwargs: dict[str, Any],
+    stats: SaveStats | None,
+) -> Any:
+    """On a writer save thread: what DCP's save thread runs, ``dcp.save`` of the staged state,
+    raising a failure as ``async_save``'s relay reports one (``CheckpointSaveError``, recorded
+    in ``stats``). The thread is reused, so what its exit told the writer is said here: the
+    save's per-thread record is dropped, and so is a snapshot it claimed but never wrote
+    (``save_ended``)."""
     if save_kwargs.get("planner") is None:  # reuse the plan of the snapshot being saved
         save_kwargs = {
             **save_kwargs,
@@ -153,6 +169,13 @@ def _save_staged(staged: Any, writer: DataStatesWriter, save_kwargs: dict[str, A
         }
     try:
         return dcp.save(staged, storage_writer=writer, **save_kwargs)
+    except BaseException as exc:
+        error = _as_error(exc)
+        if stats is not None:
+            record_failure(writer, stats, error)
+        if error is exc:
+            raise
+        raise error from exc
     finally:
         writer._local.__dict__.pop("save", None)
         writer._runtime.save_ended()  # a snapshot it claimed and never wrote is dropped
