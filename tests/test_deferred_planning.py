@@ -221,6 +221,58 @@ def _metadata(path: Path) -> Any:
     return pickle.loads((path / METADATA_NAME).read_bytes())
 
 
+def test_warm_up_learns_the_layout_so_the_first_save_replays_it_and_plans_nothing(
+    tmp_path: Path, local_planning: list[str]
+) -> None:
+    """``warm_up`` plans the state once, on the caller, as a first save would: the first save
+    then replays that layout and keeps the plan's items (DCP's local planning does not run
+    again), and the checkpoint is the one a walk would have written."""
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    state = {"model": model.state_dict(), "extra": {"step": 4, "lr": [0.1, 0.2]}}
+    writer = DataStatesWriter(tmp_path / "ours")
+    try:
+        writer.warm_up(state, wait=True)
+        assert local_planning == ["MainThread"]  # the warm-up's, on the calling thread
+        assert (writer._captures.walks, writer._captures.replays) == (1, 0)
+        local_planning.clear()
+        with torch.no_grad():
+            model[0].weight.add_(1.0)  # values change after warm_up; the layout does not
+        state["model"] = model.state_dict()
+        async_save(state, writer, no_dist=True).upload_completion.result(EVENT_TIMEOUT_S)
+        assert local_planning == []
+        assert (writer._captures.walks, writer._captures.replays) == (1, 1)
+        writer.warm_up(state)  # after a save: the layout is the save's, not learnt again
+        assert (writer._captures.walks, writer._captures.replays) == (1, 1)
+    finally:
+        writer.close()
+
+    save(state, storage_writer=FileSystemWriter(tmp_path / "stock"), no_dist=True)
+    ours, stock = _metadata(tmp_path / "ours"), _metadata(tmp_path / "stock")
+    assert ours.state_dict_metadata == stock.state_dict_metadata
+    loaded = load_like(tmp_path / "ours", state, "stock")
+    assert torch.equal(loaded["model"]["0.weight"], state["model"]["0.weight"])
+    assert loaded["extra"] == state["extra"]
+
+
+def test_a_state_whose_layout_changed_after_warm_up_is_walked_and_saved_whole(
+    tmp_path: Path,
+) -> None:
+    state: dict[str, Any] = {"a": torch.randn(4, 4), "step": 1}
+    writer = DataStatesWriter(tmp_path / "ours")
+    try:
+        writer.warm_up(state)
+        state["b"] = torch.randn(3)  # a new entry: the recorded layout no longer holds
+        async_save(state, writer, no_dist=True).upload_completion.result(EVENT_TIMEOUT_S)
+        assert (writer._captures.walks, writer._captures.replays) == (2, 0)
+    finally:
+        writer.close()
+    loaded = load_like(tmp_path / "ours", state, "datastates")
+    assert torch.equal(loaded["a"], state["a"]) and torch.equal(loaded["b"], state["b"])
+    assert loaded["step"] == 1
+
+
 @pytest.mark.parametrize("call", ["dcp_datastates.async_save", "dcp.async_save"])
 def test_the_save_thread_reuses_the_plan_of_the_snapshot(
     tmp_path: Path, local_planning: list[str], call: str

@@ -311,6 +311,10 @@ class CaptureCache:
                 rec.local_plan = captured.local_plan
             self._record = rec
 
+    def has_record(self) -> bool:
+        """Whether a layout is recorded (a save, or ``warm_up``, learnt one)."""
+        return self._record is not None
+
     def forget(self) -> None:
         """Drop the record (its references to the live state): the writer is closing."""
         with self._lock:
