@@ -98,11 +98,9 @@ def async_save(
 
     def relay(f: Future[Any]) -> None:
         raw = f.exception()
-        error = None if raw is None else _as_error(raw)  # CheckpointException: a BaseException
         if stats is not None:
             stats.blocked_s = blocked
-            if error is not None:  # its own record; last_stats keeps the last good save
-                record_failure(writer, stats, error)
+        error = None if raw is None else _report_failure(writer, stats, raw)
         if owned:  # a writer made for one save: release its pool and threads before reporting
             _close_owned(writer)
         if error is None:
@@ -170,9 +168,7 @@ def _save_staged(
     try:
         return dcp.save(staged, storage_writer=writer, **save_kwargs)
     except BaseException as exc:
-        error = _as_error(exc)
-        if stats is not None:
-            record_failure(writer, stats, error)
+        error = _report_failure(writer, stats, exc)
         if error is exc:
             raise
         raise error from exc
@@ -206,6 +202,17 @@ def _close_owned(writer: DataStatesWriter) -> None:
         writer.close()
     except Exception:  # the save's own outcome is what the caller must see
         logger.exception("closing the writer of %s failed", writer.path)
+
+
+def _report_failure(
+    writer: DataStatesWriter, stats: SaveStats | None, exc: BaseException
+) -> BaseException:
+    """A failed save's error as the caller sees it (``_as_error``), recorded in its own
+    ``stats`` (``last_stats`` keeps the last good save)."""
+    error = _as_error(exc)  # CheckpointException: a BaseException
+    if stats is not None:
+        record_failure(writer, stats, error)
+    return error
 
 
 def _as_error(exc: BaseException) -> BaseException:

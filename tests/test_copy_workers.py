@@ -1,5 +1,6 @@
-"""``JobThreads``: the scheduler's copy jobs run on a fixed set of named threads, an error in a
-job is logged and does not end its worker, and shutdown runs what was queued before it ends."""
+"""``JobThreads`` (the copy workers, a writer's planning thread): jobs run on a fixed set of
+named threads, an error in a job is logged and does not end its worker, and shutdown runs what
+was queued before it ends."""
 
 from __future__ import annotations
 
