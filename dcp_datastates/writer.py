@@ -354,9 +354,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         the whole pool is faulted in. No effect on the pool once a save has sized it.
 
         On the calling thread, before any save, it also records the state's layout and plans it
-        once (``snapshot/replay.py``; about 10 us a tensor), as a first save would: the first
-        save then replays that layout and reuses that plan where it still holds, instead of
-        walking and planning in full (at 1,000-20,000 tensors its time to safe was 1.2-4.3x the
+        once (``snapshot/replay.py``; about 10 us a tensor), as a first save would, where the
+        replay covers the state (host tensors, dicts, lists and scalars; not DTensors): the
+        first save then replays that layout and reuses that plan where it still holds, instead
+        of walking and planning in full (at 1,000-20,000 tensors its time to safe was 1.2-4.3x the
         steady state's after a ``warm_up`` that only made the pool). For a local checkpoint
         written with ``direct_writes``, the flush's aligned buffers (one per file, 32 MiB each)
         are mapped and faulted in here too, on the calling thread."""

@@ -181,6 +181,17 @@ def _save(mode: str, state: dict[str, Any], path: Path) -> dict[str, Any]:
     elif mode == "ours":
         response = async_save(state, path)
         staging, upload = response.staging_completion, response.upload_completion
+    elif mode == "ours_warm":  # warm_up on DTensor shards, then a save with that writer
+        writer = DataStatesWriter(path)
+        writer.warm_up(state)
+        response = async_save(state, writer)
+        staging, upload = response.staging_completion, response.upload_completion
+        staging.result(timeout=FUTURE_TIMEOUT_S)
+        _mutate(state)
+        upload.result(timeout=FUTURE_TIMEOUT_S)
+        replays = writer._captures.replays
+        writer.close()
+        return {"mutated_after_staging": True, "replays": replays}
     else:
         raise ValueError(mode)
     staging.result(timeout=FUTURE_TIMEOUT_S)
