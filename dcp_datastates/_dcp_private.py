@@ -151,11 +151,15 @@ def async_save_call(depth: int = 1) -> AsyncSaveCall:
     return NOT_FOUND
 
 
+#: ``dist.is_available()`` (whether torch was built with it) cannot change in a process.
+_DIST = dist.is_available()
+
+
 def require_cpu_backend(process_group: Any) -> None:
     """``dcp.async_save``'s check before it stages, for ``dcp_datastates.async_save``, which
     runs the save on its own threads: the save thread's collectives need a CPU backend. Reads
     the default group (``_get_default_group``) and a group's ``_device_types``, as DCP does."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (_DIST and dist.is_initialized()):
         return
     group = process_group or dist.distributed_c10d._get_default_group()
     if torch.device("cpu") not in group._device_types:

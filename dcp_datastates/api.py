@@ -56,10 +56,10 @@ def async_save(
     owned = not isinstance(path_or_writer, DataStatesWriter)
     writer = DataStatesWriter(path_or_writer) if owned else path_or_writer
     writer._runtime.check_open()
-    mode = kwargs.get("async_checkpointer_type", AsyncCheckpointerType.THREAD)
+    mode = kwargs.get("async_checkpointer_type")
     call = AsyncSaveCall(
         found=True,
-        mode=getattr(mode, "value", mode),
+        mode=_THREAD if mode is None else getattr(mode, "value", mode),
         checkpoint_id=kwargs.get("checkpoint_id"),
         storage_writer=writer,
         async_stager=kwargs.get("async_stager"),
@@ -71,7 +71,7 @@ def async_save(
     writer._local.staged_stats = None
     token = writer._announce(call)
     try:
-        if not owned and call.mode == AsyncCheckpointerType.THREAD.value:
+        if not owned and call.mode == _THREAD:
             upload = _save_on_writer_threads(state_dict, writer, kwargs, start)
             staging = writer.staging_future or _done_future()
             return AsyncSaveResponse(staging_completion=staging, upload_completion=upload)
@@ -111,6 +111,10 @@ def async_save(
     upload.add_done_callback(relay)
     return AsyncSaveResponse(staging_completion=staging, upload_completion=out)
 
+
+#: The THREAD executor's ``async_checkpointer_type`` value (an enum's ``value`` is a Python
+#: property: two frames a read, on the caller).
+_THREAD = AsyncCheckpointerType.THREAD.value
 
 #: dcp.async_save's keyword arguments that reach dcp.save (the others are checked above).
 _SAVE_KWARGS = frozenset(

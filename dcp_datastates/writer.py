@@ -92,8 +92,12 @@ _ANNOUNCED: contextvars.ContextVar[tuple[Any, _dcp_private.AsyncSaveCall] | None
 )
 
 
+#: ``dist.is_available()`` (whether torch was built with it) cannot change in a process.
+_DIST = dist.is_available()
+
+
 def _current_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _DIST and dist.is_initialized() else 0
 
 
 def _refuse_file_target(path: str | os.PathLike) -> None:
@@ -285,7 +289,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             self._process_staged = staged.staged
             self._local.staged_stats = None
             return staged.result
-        if not lazy_staging_planner(call.planner):
+        if call.planner is not None and not lazy_staging_planner(call.planner):
             # A planner of the user's decides what is saved (resolve_data): stage as stock does,
             # a blocking CPU copy, and let write_data resolve every item through that planner.
             copied = stock_stage(state_dict)

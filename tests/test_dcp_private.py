@@ -82,6 +82,25 @@ def test_our_async_save_tells_the_writer_without_the_probe(
     assert writer.seen.found and writer.seen.mode == "thread"
 
 
+def test_our_async_save_calls_a_subclass_stage(tmp_path: Path) -> None:
+    """``dcp_datastates.async_save`` stages through ``stage()`` as ``dcp.async_save`` does, so a
+    subclass that wraps it (to mark or time the snapshot) sees every save."""
+    staged = []
+
+    class Marking(DataStatesWriter):
+        def stage(self, state_dict):
+            staged.append(sorted(state_dict))
+            return super().stage(state_dict)
+
+    writer = Marking(tmp_path)
+    for step in range(2):
+        async_save(
+            {"w": torch.zeros(4), "step": step}, writer, checkpoint_id=tmp_path / str(step)
+        ).upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    writer.close()
+    assert staged == [["step", "w"], ["step", "w"]]
+
+
 def test_a_probe_that_no_longer_recognises_dcp_warns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -69,6 +69,10 @@ _dtype = attrgetter("dtype")
 _nbytes = attrgetter("nbytes")
 _is_cpu = attrgetter("is_cpu")
 _version = attrgetter("_version")
+_SCALAR_SET = frozenset(_SCALARS)
+#: Sets the grad mode without ``torch.set_grad_enabled``'s frames (it is a class; its
+#: ``__init__`` reads the mode back), on the caller.
+_set_grad_enabled = getattr(torch._C, "_set_grad_enabled", torch.set_grad_enabled)
 #: Whether this process has an accelerator (asked at the first replay, not at import, which
 #: must not touch a device runtime). Without one no tensor can be on a device but the CPU (or
 #: ``meta``, which has no bytes: its copy fails the save), so the replay does not check the big
@@ -85,7 +89,7 @@ def _has_accelerator() -> bool:
 
 def _scalar(value: Any) -> bool:
     t = type(value)
-    return t in _SCALARS or (t is tuple and all(type(v) in _SCALARS for v in value))
+    return t in _SCALARS or (t is tuple and _SCALAR_SET.issuperset(map(type, value)))
 
 
 class _Record:
@@ -330,7 +334,7 @@ def _stack_groups(
     # Without autograd: a parameter's copy needs no graph, and torch.stack(out=) refuses one.
     # The grad mode is set directly: torch.no_grad()'s frames cost 30-40 us cold here.
     grad = torch.is_grad_enabled()
-    torch.set_grad_enabled(False)
+    _set_grad_enabled(False)
     try:
         for i, (positions, (shape, dtype)) in enumerate(
             zip(rec.groups, rec.group_kinds, strict=True)
@@ -351,7 +355,7 @@ def _stack_groups(
                 return None
             stacks.append(stacked)
     finally:
-        torch.set_grad_enabled(grad)
+        _set_grad_enabled(grad)
     return stacks
 
 

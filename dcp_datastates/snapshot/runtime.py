@@ -307,23 +307,30 @@ class SnapshotRuntime:
         token: Any,
         expect_claim: bool,
         claimed: Latch | None = None,
+        returning: Latch | None = None,
     ) -> None:
-        with self._changed:
+        """Leave ``session`` for a save thread to claim; ``returning`` is registered for
+        :meth:`caller_returning` once it is handed off (a failed ``stage()`` leaves none)."""
+        thread = threading.current_thread()
+        with self._lock:  # self._changed's lock (its Python-level __enter__ is two more frames)
             self.check_open()
-            if self._unclaimed is not None and not self._changed.wait_for(
-                lambda: self._unclaimed is None, timeout=CLAIM_TIMEOUT_S
-            ):
-                stale = self._unclaimed.session
-                self._unclaimed.let_go()
-                self._unclaimed = None
-                logger.warning(
-                    "rank %d: a staged snapshot was never saved; dropping it", session.rank
-                )
-                self.abort(stale, self._never_claimed_error(stale.rank))
-            self.check_open()
+            if self._unclaimed is not None:
+                if not self._changed.wait_for(
+                    lambda: self._unclaimed is None, timeout=CLAIM_TIMEOUT_S
+                ):
+                    stale = self._unclaimed.session
+                    self._unclaimed.let_go()
+                    self._unclaimed = None
+                    logger.warning(
+                        "rank %d: a staged snapshot was never saved; dropping it", session.rank
+                    )
+                    self.abort(stale, self._never_claimed_error(stale.rank))
+                self.check_open()  # close() may have run while this waited
             self._unclaimed = _Staged(
-                session, threading.current_thread(), token, expect_claim, time.monotonic(), claimed
+                session, thread, token, expect_claim, time.monotonic(), claimed
             )
+            if returning is not None:
+                self._returning.append((thread, returning))
 
     def stage_later(
         self,
@@ -361,13 +368,10 @@ class SnapshotRuntime:
         claimed = Latch() if expect_claim else None
         returning = Latch() if expect_claim else None
         try:
-            self._hand_off(session, token, expect_claim, claimed)
+            self._hand_off(session, token, expect_claim, claimed, returning)
         except BaseException as exc:
             self.abort(session, exc)  # never left behind for close() to wait on
             raise
-        if returning is not None:  # registered once handed off: a failed stage() leaves none
-            with self._lock:
-                self._returning.append((threading.current_thread(), returning))
         if self.options.guard_optimizer_step:
             _guard.guard(session.staged, session.add_optimizer_wait, None, session.stop_live)
         if self.options.guard_forward:
@@ -454,8 +458,10 @@ class SnapshotRuntime:
         me = threading.current_thread()
         with self._lock:
             mine = [event for thread, event in self._returning if thread is me]
+            if mine:
+                self._returning = [entry for entry in self._returning if entry[0] is not me]
         for event in mine:
-            self._let_plan(event)
+            event.set()
 
     def _let_plan(self, returning: Latch) -> None:
         returning.set()
