@@ -151,15 +151,16 @@ def async_save_call(depth: int = 1) -> AsyncSaveCall:
     return NOT_FOUND
 
 
-#: ``dist.is_available()`` (whether torch was built with it) cannot change in a process.
-_DIST = dist.is_available()
+#: ``dist.is_available()`` (whether torch was built with it) cannot change in a process: read
+#: once, not on the caller's path at every save (here and in ``writer._current_rank``).
+DIST_AVAILABLE = dist.is_available()
 
 
 def require_cpu_backend(process_group: Any) -> None:
     """``dcp.async_save``'s check before it stages, for ``dcp_datastates.async_save``, which
     runs the save on its own threads: the save thread's collectives need a CPU backend. Reads
     the default group (``_get_default_group``) and a group's ``_device_types``, as DCP does."""
-    if not (_DIST and dist.is_initialized()):
+    if not (DIST_AVAILABLE and dist.is_initialized()):
         return
     group = process_group or dist.distributed_c10d._get_default_group()
     if torch.device("cpu") not in group._device_types:
@@ -183,6 +184,7 @@ def warn_call_not_found() -> None:
 
 
 __all__ = [
+    "DIST_AVAILABLE",
     "NOT_FOUND",
     "PRIVATE_METADATA_GLOBALS",
     "AsyncSaveCall",

@@ -92,12 +92,8 @@ _ANNOUNCED: contextvars.ContextVar[tuple[Any, _dcp_private.AsyncSaveCall] | None
 )
 
 
-#: ``dist.is_available()`` (whether torch was built with it) cannot change in a process.
-_DIST = dist.is_available()
-
-
 def _current_rank() -> int:
-    return dist.get_rank() if _DIST and dist.is_initialized() else 0
+    return dist.get_rank() if _dcp_private.DIST_AVAILABLE and dist.is_initialized() else 0
 
 
 def _refuse_file_target(path: str | os.PathLike) -> None:
