@@ -150,6 +150,10 @@ def test_save_times_are_ordered_and_memory_is_reported(quick_run: dict[str, Any]
         # Linux batches RSS counters per thread (up to 64 pages each), so the kernel's peak can
         # read a little under an RSS sampled earlier from /proc: allow a few MiB of that skew.
         assert r["memory"]["maxrss_bytes"] > r["memory"]["base_rss_bytes"] - 4 * MiB > 0
+    # The safe target's limit: the processes of the two systems it compares time a copy of the
+    # state (limits.state_copy); no other system's does.
+    timed = {r["system"] for r in saves if _positive_finite(r.get("copy_limit_s", -1.0))}
+    assert timed == {"ours async pool 1/1", "stock async_save DefaultStager"}
 
 
 def test_load_covers_both_checkpoints_cold_and_warm(quick_run: dict[str, Any]) -> None:

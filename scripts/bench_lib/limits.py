@@ -9,7 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -157,6 +157,51 @@ def memcpy_parallel(nbytes: int, threads: int, repeat: int = 3) -> float:
             t0 = now()
             list(pool.map(lambda job: job[0].copy_(job[1]), jobs))
             best = min(best, now() - t0)
+    return best
+
+
+def state_copy(tensors: Sequence[torch.Tensor], threads: int, repeat: int = 2) -> float:
+    """Best seconds of ``repeat`` copies of ``tensors`` (host, contiguous) into one buffer faulted
+    in beforehand, as our pool is after ``warm_up``: each tensor in ``chunk_bytes`` pieces, taken
+    in order by ``threads`` threads that ``memmove`` them, as our copy workers do.
+
+    The save scenario measures it in a save process right after that process's saves (the same
+    state, the same moment's memory bandwidth): the quickest a snapshot that copies all of the
+    state can be safe. The limits scenario's ``memcpy xN`` copies one hot buffer, at another
+    moment: on the AMD VM it read 26-33 GB/s in a full run whose save copies could not pass
+    13-14 GB/s, and 13-15 GB/s in a run of its own (issue 11, item 23)."""
+    from dcp_datastates.providers.tensor import host_copy
+    from dcp_datastates.snapshot.hostmem import PopulatedBuffer
+
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    buffer = PopulatedBuffer(sum(sizes))
+    buffer.populate(0, sum(sizes))
+    base, chunk = buffer.tensor.data_ptr(), WriterOptions().chunk_bytes
+    jobs, at = [], 0
+    for t, n in zip(tensors, sizes, strict=True):
+        jobs += [(base + at + o, t.data_ptr() + o, min(chunk, n - o)) for o in range(0, n, chunk)]
+        at += n
+    lock = threading.Lock()
+
+    def work(queue: Iterator[tuple[int, int, int]]) -> None:
+        while True:
+            with lock:
+                job = next(queue, None)
+            if job is None:
+                return
+            host_copy(*job)
+
+    best = float("inf")
+    for _ in range(repeat):
+        queue = iter(jobs)
+        workers = [threading.Thread(target=work, args=(queue,)) for _ in range(threads)]
+        t0 = now()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, now() - t0)
+    del buffer
     return best
 
 

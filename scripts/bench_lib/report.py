@@ -14,7 +14,7 @@ from typing import Any
 
 from . import load, scaling, train
 from .common import GB, Recorder, Spread
-from .limits import memcpy_parallel_name, write_limit_name
+from .limits import copy_workers, write_limit_name
 from .systems import DCP_OURS, FLOOR, SAVE_SYSTEMS
 
 STOCK_ASYNC = SAVE_SYSTEMS["stock-async"]
@@ -573,20 +573,25 @@ def _durable_every_round(f: _Figures) -> tuple[float | None, str]:
 
 
 def _safe_limit(f: _Figures) -> tuple[float | None, str]:
-    """The quickest a snapshot of host-resident state can be: the save's bytes copied by as many
-    threads as our copy workers (the limits scenario's ``memcpy xN`` rate), against
-    ``DefaultStager``'s staging time."""
-    rate = f.spread("limits", memcpy_parallel_name(), "gb_per_s")
+    """The quickest a snapshot of host-resident state can be: the save's tensors copied into
+    memory faulted in beforehand by as many threads as our copy workers, timed in the save
+    processes of ours and ``DefaultStager`` (``limits.state_copy``), against ``DefaultStager``'s
+    staging time."""
+    copies = Spread.of(
+        r["copy_limit_s"]
+        for n in (OURS_FULL, STOCK_STAGER)
+        for r in f.rec.select("save", system=n)
+        if "copy_limit_s" in r
+    )
     stager = f.spread("save", STOCK_STAGER, "safe_s")
     saved = f.rec.select("save", system=OURS_FULL)
-    if rate is None or stager is None or not saved or stager.median <= 0:
-        return None, f"needs limits ({memcpy_parallel_name()}) and save"
-    seconds = saved[0]["bytes"] / GB / rate.median
+    if copies is None or stager is None or not saved or stager.median <= 0:
+        return None, "needs save (ours and DefaultStager, with their copy limit)"
     ours = f.spread("save", OURS_FULL, "safe_s")
-    behind = f", ours {ours.median / seconds:.2f}x the copy" if ours is not None else ""
-    return seconds / stager.median, (
-        f"{saved[0]['bytes'] / GB:.2f} GB at {memcpy_parallel_name()}'s {rate.median:.2f} GB/s "
-        f"= {seconds:.3f} s{behind}"
+    behind = f", ours {ours.median / copies.median:.2f}x the copy" if ours is not None else ""
+    return copies.median / stager.median, (
+        f"{saved[0]['bytes'] / GB:.2f} GB copied into faulted-in memory by "
+        f"{copy_workers()} threads in the save processes: {copies.fmt(3)} s{behind}"
     )
 
 

@@ -26,6 +26,8 @@ from .common import GB, RESULT_PREFIX, PeakRSS, Recorder, alternate, dir_bytes, 
 
 BENCH = Path(__file__).resolve().parents[1] / "bench.py"
 LIMIT = "limit"
+#: The systems whose save processes also time ``limits.state_copy`` (the safe target's limit).
+COPY_LIMIT_KEYS = ("ours-async-1", "stock-stager")
 SETTLE_S = 0.3
 
 
@@ -72,11 +74,19 @@ def worker(keys: list[str], nbytes: int, tensors: int, saves: int, workdir: Path
         system.close()
         del system
         gc.collect()
+        # The copy limit of the safe-to-mutate target, in the processes of the two systems it
+        # compares, once their pool or staging copy is let go (limits.state_copy).
+        copy_limit = (
+            {"copy_limit_s": limits.state_copy(state.tensors_of(sd), limits.copy_workers())}
+            if key in COPY_LIMIT_KEYS
+            else {}
+        )
         report = {
             "key": key,
             "state_bytes": state_bytes,
             "tensors": count,
             "saves": results,
+            **copy_limit,
             "base_rss_bytes": base,
             # Linux updates the high-water mark lazily: it can lag the RSS read a moment ago.
             "maxrss_bytes": max(
@@ -119,6 +129,7 @@ def _emit(rec: Recorder, report: dict[str, Any], r: int) -> None:
             "maxrss_bytes": report["maxrss_bytes"],
         },
         first_save={k: first[k] for k in ("blocked_s", "safe_s", "durable_s")},
+        **({"copy_limit_s": report["copy_limit_s"]} if "copy_limit_s" in report else {}),
         library_stats=steady.get("library_stats"),
         bytes=report["state_bytes"],
         bytes_written=steady["bytes_written"],
