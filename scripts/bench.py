@@ -50,7 +50,7 @@ FULL: dict[str, Any] = {
     "load_gb": 2.0,
     "load_objects": 6000,
     "writers": 4,
-    "saves": 2,
+    "saves": 4,
     "limits_rounds": 2,
     "rounds": 2,
     "isolate": True,
@@ -149,7 +149,9 @@ def _parser() -> argparse.ArgumentParser:
         "--load-objects", type=int, help="small objects of the load scenario's object state"
     )
     g.add_argument("--writers", type=int, help="parallel writers of the write+fsync limit")
-    g.add_argument("--saves", type=int, help="saves per save-worker process (the last reported)")
+    g.add_argument(
+        "--saves", type=int, help="saves per save-worker process (all but the first reported)"
+    )
     g.add_argument(
         "--systems", help=f"save systems, comma-separated: {','.join(systems.SAVE_SYSTEMS)}"
     )

@@ -150,6 +150,13 @@ def test_save_times_are_ordered_and_memory_is_reported(quick_run: dict[str, Any]
         # Linux batches RSS counters per thread (up to 64 pages each), so the kernel's peak can
         # read a little under an RSS sampled earlier from /proc: allow a few MiB of that skew.
         assert r["memory"]["maxrss_bytes"] > r["memory"]["base_rss_bytes"] - 4 * MiB > 0
+    # Every steady save of a process is a record of its own; what the process measured once
+    # (its first save, its copy limit) rides on the first only.
+    ours = [r for r in saves if r["system"] == "ours async pool 1/1"]
+    assert ours[0]["saves_per_process"] > 2
+    assert [r["save_index"] for r in ours] == list(range(1, ours[0]["saves_per_process"]))
+    assert [bool(r.get("first_save")) for r in ours] == [True] + [False] * (len(ours) - 1)
+    assert [bool(r.get("copy_limit_s")) for r in ours] == [True] + [False] * (len(ours) - 1)
     # The safe target's limit: the processes of the two systems it compares time a copy of the
     # state (limits.state_copy); no other system's does.
     timed = {r["system"] for r in saves if _positive_finite(r.get("copy_limit_s", -1.0))}

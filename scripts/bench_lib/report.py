@@ -108,7 +108,8 @@ def save_table(f: _Figures) -> str | None:
     header += ["held GB", "blocked / stock async", "safe / DefaultStager", "durable / dcp.save t1"]
     title = (
         f"### Save ({first['bytes'] / GB:.2f} GB, {first.get('tensors', '-')} tensors; "
-        "steady state: the second save of a process for systems that keep state between saves)"
+        "steady state: every save of a process after its first, for systems that keep state "
+        "between saves)"
     )
     return title + "\n\n" + _table(header, rows)
 

@@ -2,11 +2,13 @@
 
 A fresh process per (system, round) gives each system its own peak RSS and shows what it keeps
 between saves (our host pool, DefaultStager's staging copy). A system that keeps state between
-saves saves twice per process: the first save pays one-off costs (pool or cache allocation), the
-second is the steady state a training job sees and is the one reported (the first is kept in the
-JSON line as ``first_save``); the others have nothing to carry over and save once. Systems
-alternate within a round and reverse order between rounds, beside a raw write+fsync of the same
-bytes, so the durable throughput can be compared with what the disk did at that moment.
+saves saves ``--saves`` times per process (4 in the full run): the first save pays one-off costs
+(pool or cache allocation), the later ones are the steady state a training job sees and each is
+reported, so a system's medians span rounds x 3 saves, not 2 (the first save is kept in the
+process's first JSON line as ``first_save``); the others have nothing to carry over and save
+once. Systems alternate within a round and reverse order between rounds, beside a raw
+write+fsync of the same bytes, so the durable throughput can be compared with what the disk did
+at that moment.
 """
 
 from __future__ import annotations
@@ -115,28 +117,38 @@ def _spawn(keys: list[str], nbytes: int, tensors: int, saves: int, workdir: Path
 
 
 def _emit(rec: Recorder, report: dict[str, Any], r: int) -> None:
-    steady, first = report["saves"][-1], report["saves"][0]
-    figures = {k: steady[k] for k in ("blocked_s", "safe_s", "durable_s")}
-    figures["durable_gb_per_s"] = report["state_bytes"] / GB / steady["durable_s"]
-    rec.emit(
-        "save",
-        systems.SAVE_SYSTEMS[report["key"]],
-        figures,
-        memory={
-            "peak_extra_bytes": max(x["peak_extra_bytes"] for x in report["saves"]),
-            "held_bytes": steady["held_bytes"],
-            "base_rss_bytes": report["base_rss_bytes"],
-            "maxrss_bytes": report["maxrss_bytes"],
-        },
-        first_save={k: first[k] for k in ("blocked_s", "safe_s", "durable_s")},
-        **({"copy_limit_s": report["copy_limit_s"]} if "copy_limit_s" in report else {}),
-        library_stats=steady.get("library_stats"),
-        bytes=report["state_bytes"],
-        bytes_written=steady["bytes_written"],
-        tensors=report["tensors"],
-        saves_per_process=len(report["saves"]),
-        round=r,
-    )
+    """One record per steady save of the process (every save after the first for a system that
+    keeps state between saves, else its only one): the medians then span ``rounds`` x (saves -
+    1) saves, not one per round. The first save's figures and the process's copy limit ride on
+    its first record only, so each process counts once in their medians."""
+    saves = report["saves"]
+    first = saves[0]
+    steady = saves[1:] or saves
+    per_process = {"first_save": {k: first[k] for k in ("blocked_s", "safe_s", "durable_s")}}
+    if "copy_limit_s" in report:
+        per_process["copy_limit_s"] = report["copy_limit_s"]
+    for i, save in enumerate(steady):
+        figures = {k: save[k] for k in ("blocked_s", "safe_s", "durable_s")}
+        figures["durable_gb_per_s"] = report["state_bytes"] / GB / save["durable_s"]
+        rec.emit(
+            "save",
+            systems.SAVE_SYSTEMS[report["key"]],
+            figures,
+            memory={
+                "peak_extra_bytes": max(x["peak_extra_bytes"] for x in saves),
+                "held_bytes": save["held_bytes"],
+                "base_rss_bytes": report["base_rss_bytes"],
+                "maxrss_bytes": report["maxrss_bytes"],
+            },
+            **(per_process if i == 0 else {}),
+            library_stats=save.get("library_stats"),
+            bytes=report["state_bytes"],
+            bytes_written=save["bytes_written"],
+            tensors=report["tensors"],
+            saves_per_process=len(saves),
+            save_index=len(saves) - len(steady) + i,
+            round=r,
+        )
 
 
 def run(
