@@ -198,11 +198,39 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _scratch_bytes(args: argparse.Namespace, wanted: list[str]) -> int:
+    """About the most the scenarios in ``wanted`` hold on the scratch disk at once, doubled: a
+    checkpoint being written beside the one before it is removed, or the raw limit's files."""
+    sizes = {
+        "limits": args.limit_gb,
+        "save": args.gb,
+        "load": 2 * args.load_gb,
+        "scaling": max(float(x) for x in args.scale_sizes.split(",")),
+        "ranks": args.ranks_gb,
+        "objstore": args.s3_gb,
+    }
+    return int(2 * max((sizes.get(s, 0.0) for s in wanted), default=0.0) * GB)
+
+
+def _check_disk(args: argparse.Namespace, wanted: list[str]) -> None:
+    """Refuse to start where the scratch disk cannot hold what the run writes: a full disk at
+    minute eight fails the run then, and every other job on the disk with it."""
+    need = _scratch_bytes(args, wanted)
+    free = shutil.disk_usage(args.dir).free
+    if free < need:
+        raise SystemExit(
+            f"bench.py: {', '.join(wanted)} need about {need / GB:.1f} GB free on {args.dir}'s "
+            f"file system, which has {free / GB:.1f} GB: free some space, pass --dir on "
+            "another disk, or lower the sizes (--gb, --load-gb, --scale-sizes, --limit-gb)"
+        )
+
+
 def _run(args: argparse.Namespace) -> int:
     args = _resolve(args)
     wanted = SCENARIOS if "all" in args.scenarios else [s for s in SCENARIOS if s in args.scenarios]
     wanted += [s for s in EXTRA_SCENARIOS if s in args.scenarios]
     args.dir.mkdir(parents=True, exist_ok=True)
+    _check_disk(args, wanted)
     rec = Recorder(args.out / "results.jsonl", quick=args.quick, target_dir=args.dir)
     cold = args.drop_caches == "yes"
     elapsed: dict[str, float] = {}

@@ -292,3 +292,18 @@ def test_quick_mode_takes_seconds_and_cleans_its_scratch_directory(
     assert quick_run["elapsed"] < 120, f"--quick took {quick_run['elapsed']:.0f} s"
     scratch = quick_run["tmp"] / "d"
     assert not any(p.is_file() for p in scratch.rglob("*")), "scratch files left behind"
+
+
+def test_a_run_the_scratch_disk_cannot_hold_is_refused_before_it_starts(tmp_path: Path) -> None:
+    """A save scenario of 100,000 GB on the test's disk: refused at once, naming the size, the
+    directory and what to do, with nothing written (no results file, no scratch files)."""
+    out, scratch = tmp_path / "out", tmp_path / "d"
+    cmd = [sys.executable, str(BENCH), "save", "--gb", "100000", "--out", str(out)]
+    proc = subprocess.run(
+        [*cmd, "--dir", str(scratch)], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode != 0
+    assert f"save need about 200000.0 GB free on {scratch}'s file system" in proc.stderr
+    assert "pass --dir on another disk" in proc.stderr
+    assert not (out / "results.jsonl").exists()
+    assert not any(p.is_file() for p in scratch.rglob("*"))
