@@ -8,11 +8,13 @@ padded so that they lie in the file at their pool address modulo a block.
 
 A *live* session (its pool holds all of it, host tensors; ``SnapshotSession.live``) is also
 written from the live tensors: each file then puts its big host tensors first, from the back of
-the snapshot order, and writes each of their pieces that no copy has started on straight from
-the live tensor (``claim_live``, ``TensorProvider.begin_live``), while the copies go from the
-front; what the disk writes before the copies get there is never copied. Such a piece lies in
-the pool at its source address modulo a block (``engine.SnapshotSession._add``), so one padding
-suits both paths. Once an optimizer step begins (``stop_live``), the rest comes from the pool.
+the snapshot order, and writes each of their pieces that no copy has started on from the live
+tensor (``claim_live``, ``TensorProvider.begin_live``), a step at a time through the file's
+buffer, while the copies go from the front; what the flush reads before the copies get there is
+never copied into the pool. Such a piece lies in the pool at its source address modulo a block
+(``engine.SnapshotSession._add``), so one padding suits both paths. Once an optimizer step
+begins (``stop_live``) or the copies are done, the rest is copied into the pool and comes from
+there (``take_over_live``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from . import localfile
 from .errors import DataStatesError, StorageWriteError
 from .format import DATA_SUFFIX, RecordInfo
-from .providers.tensor import host_copy
-from .snapshot.engine import PENDING, SnapshotSession
+from .snapshot.engine import PENDING, LiveWrite, SnapshotSession
 from .snapshot.latch import Latch
 from .snapshot.priority import lower_thread_priority
 from .storage import Storage, _write_error
@@ -167,14 +168,21 @@ def _flush_file(
     return results
 
 
-#: Bytes per write from a live tensor: a step that begins waits for at most one such write
-#: per file before the rest of the piece is copied (``SnapshotSession.hurry``).
+#: Bytes read from a live tensor at a time (into the file's buffer, then written from there): a
+#: take-over (``SnapshotSession.take_over_live``) waits for at most one such read per file.
 LIVE_STEP = 4 << 20
 
 
 def _write_live(f: Any, session: SnapshotSession, slice_: Any, crc: int) -> int | None:
     """Write ``slice_`` from the live tensor if no copy has started on it and the save is still
-    live; returns the record's crc32c so far, or None (nothing done: it is copied)."""
+    live; returns the record's crc32c so far, or None (nothing done: it is copied).
+
+    Each step reads the live bytes into the file's own buffer under the write's lock, and the
+    disk writes them from there with the lock let go: the live tensor is never the source of a
+    disk write, so a take-over (the last copy done, an optimizer step beginning) waits for one
+    step's read at most, and copies the rest into the pool itself. Until item 23 of
+    ``docs/benchmarks.md`` the disk wrote straight from the live tensor, and the snapshot's end
+    waited for one disk write per file in flight: 7-16 ms, up to 85 ms on a slow write."""
     piece = slice_.piece
     if len(piece.parts) != 1 or session.hurry():
         return None
@@ -188,30 +196,40 @@ def _write_live(f: Any, session: SnapshotSession, slice_: Any, crc: int) -> int 
     view = begin(start, stop) if begin is not None else None
     if view is None:
         return None
-    if not session.claim_live(piece):
+    src = localfile._address(view)
+    assert src is not None  # a tensor's memory is writable
+    write = LiveWrite(piece, provider, view, src, (start, stop, slice_.start))
+    if not f.queue_buffered() or not session.claim_live(piece, write):
         provider.cancel_live()
         return None
-    n, done = stop - start, 0
+    if f.room() < LIVE_STEP + localfile.ALIGN:
+        f.submit()  # then the buffer holds less than a block: no step below fills it
     try:
-        try:
-            while done < n and not session.hurry():
-                part = view[done : done + min(LIVE_STEP, n - done)]
-                crc = crc32c(part, value=crc)
-                if not f.write_external(part, _written):
-                    f.write(part)
-                f.submit()  # written before the next check: the live bytes may change after
-                done += part.nbytes
-            if done < n:  # a step began, or the copies are done: the rest into the pool block
-                dst = session.pool.view(piece.offset + slice_.start + done, n - done)
-                src = localfile._address(view[done:])
-                assert src is not None  # a tensor's memory is writable
-                host_copy(dst.data_ptr(), src, n - done)
-        finally:
-            provider.end_live(view, start, stop)  # raises if the tensor changed meanwhile
+        last = False
+        while not last:
+            with write.lock:
+                if write.ended:  # taken over: the rest is in the pool
+                    break
+                if session.hurry():
+                    session.end_live_write(write)
+                    break
+                part = view[write.read : write.read + min(LIVE_STEP, write.n - write.read)]
+                copied = f.copy_in(part)
+                write.read += part.nbytes
+                last = write.read == write.n
+                if last:  # every byte read: the piece is done before its disk write
+                    session.end_live_write(write)
+            crc = crc32c(copied, value=crc)  # from the copy: what the disk writes
+            f.queue_buffered()
+            f.submit()
     except BaseException as exc:
-        session.live_done(piece, done, exc, rest_copied=False)
+        with write.lock:
+            if not write.ended:
+                session.end_live_write(write, exc)
         raise
-    session.live_done(piece, done, None, rest_copied=done < n)
+    if write.error is not None:
+        raise write.error
+    done, n = write.read, write.n
     if done == n:
         session.drop(slice_)
         return crc
@@ -222,10 +240,6 @@ def _write_live(f: Any, session: SnapshotSession, slice_: Any, crc: int) -> int 
         f.write(data)
         drop()
     return crc
-
-
-def _written() -> None:
-    """A part written from a live tensor needs nothing released."""
 
 
 def flush(

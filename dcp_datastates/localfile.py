@@ -250,6 +250,42 @@ class DirectFile:
             self.submit()
         return True
 
+    def copy_in(self, data: memoryview) -> memoryview:
+        """Copy ``data`` (at most :meth:`room` bytes) into the buffer, as ``write`` does, and
+        return where it lies there: valid until the next :meth:`submit`. A file that writes
+        plainly (``EINVAL``) writes a private copy of it now and returns that copy."""
+        n = data.nbytes
+        if not self._direct:  # a file that refused a direct write: written now, from a copy
+            kept = memoryview(bytes(data.cast("B")))
+            self.write(kept)
+            return kept
+        assert n <= self._cap - self._fill, "copy_in: more than the buffer's room"
+        addr = _address(data)
+        if addr is not None:
+            ctypes.memmove(self._base + self._fill, addr, n)  # type: ignore[operator]
+        else:
+            self._view[self._fill : self._fill + n] = data.cast("B")
+        self._fill += n
+        return self._view[self._fill - n : self._fill]
+
+    def room(self) -> int:
+        """Bytes ``write`` takes into the buffer before it must write some of it out."""
+        return self._cap - self._fill
+
+    def queue_buffered(self) -> bool:
+        """Queue the whole blocks the buffer gathered for the next :meth:`submit` (the
+        unaligned rest stays in front of what follows): a caller that wrote from memory that
+        may change once ``write`` returned (a live tensor) has its bytes on the disk from this
+        copy, a step at a time. False where the file writes plainly (``write`` wrote them)."""
+        if not self._direct:
+            return False
+        whole = self._mark + (self._fill - self._mark) // ALIGN * ALIGN
+        if whole > self._mark:
+            self._queue.append(self._view[self._mark : whole])
+            self._queued += whole - self._mark
+            self._mark = whole
+        return True
+
     def submit(self) -> None:
         """Write what ``write_external`` queued now (before waiting for anything that needs
         the pool blocks it holds), then release those blocks."""

@@ -30,8 +30,8 @@ class SaveStats:
         forward_frozen_bytes: Bytes of module buffers the forward gate copied at the first forward
             after the call, before forward could update them.
         forward_blocked_s: Time forward spent in the forward gate for this save.
-        live_bytes: Bytes the flush wrote straight from the live tensors, never copied into
-            the pool (``live_flush``).
+        live_bytes: Bytes the flush read from the live tensors a step at a time into its
+            files' buffers and wrote from there, never copied into the pool (``live_flush``).
         error: ``None`` for a save that committed; for a failed save, its error as
             ``"Type: message"``. A writer's ``last_stats`` is always a successful save;
             ``last_failed_stats`` holds the most recent failure.

@@ -420,7 +420,11 @@ def test_big_tensors_are_written_from_the_pool_at_aligned_offsets_and_load_back(
         "note": {"step": 3},
         "d": torch.randn(262_144),
     }
-    writer = DataStatesWriter(tmp_path / "ckpt", flush_workers=1, chunk_bytes=2 << 20)
+    # The pool's path alone: writes from the live tensors go through the file's buffer
+    # (flush._write_live; tests/test_live_flush.py).
+    writer = DataStatesWriter(
+        tmp_path / "ckpt", flush_workers=1, chunk_bytes=2 << 20, live_flush=False
+    )
     try:
         dcp.save(state, storage_writer=writer, no_dist=True)
     finally:
@@ -447,3 +451,40 @@ def test_big_tensors_are_written_from_the_pool_at_aligned_offsets_and_load_back(
         if torch.is_tensor(value):
             assert torch.equal(loaded[key], value), key
     assert loaded["note"] == {"step": 3}
+
+
+@pytest.mark.parametrize("refuse_direct", [False, True])
+def test_bytes_copied_in_are_the_ones_written_whatever_their_source_does_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refuse_direct: bool
+) -> None:
+    """The flush's live writes: a source read into the buffer a step at a time (``copy_in``),
+    its whole blocks queued and written (``queue_buffered``, ``submit``), and the source
+    overwritten right after each ``copy_in``, as a tensor may be once the step is read. The file
+    holds the bytes as they were when copied in, unaligned heads and steps included; so does a
+    file whose direct writes the file system refuses (its ``copy_in`` writes a private copy)."""
+    _direct_or_skip(tmp_path / "probe")
+    if refuse_direct:
+        real_writev = os.writev
+
+        def refuse(fd: int, segments: Any) -> int:
+            if _flags(fd) & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_writev(fd, segments)
+
+        monkeypatch.setattr(localfile.os, "writev", refuse)
+    rng = np.random.default_rng(7)
+    source = rng.integers(0, 256, 3 * ALIGN * 100 + 123, dtype=np.uint8)
+    expected = bytearray(b"head" * 3)  # an unaligned start, as a record's head is
+    with LocalStorage(tmp_path).open_write("data.bin", sync=True) as f:
+        f.write(bytes(expected))
+        step = ALIGN * 50 + 7
+        for at in range(0, source.nbytes, step):
+            part = memoryview(source[at : at + step])
+            assert f.room() >= part.nbytes
+            copied = f.copy_in(part)
+            expected += bytes(part)
+            source[at : at + step] = 0  # the source changes: the file must not see it
+            assert bytes(copied) == bytes(expected[-part.nbytes :])
+            f.queue_buffered()
+            f.submit()
+    assert (tmp_path / "data.bin").read_bytes() == bytes(expected)

@@ -11,12 +11,15 @@ coalesced. Each piece moves through these states (the names are used in code and
                                         +--(flush writes it live)--> LIVE --+--> WRITTEN
                                                                             +--> COPIED (rest)
 
-A piece of a contiguous host tensor may be written by the flush straight from the live tensor
-instead (``claim_live``): while no copy has started on it and the save is live, the flush
-claims it (LIVE), writes it in steps from the live tensor and checks that the tensor did not
-change (WRITTEN: its pool block goes back unused). A step that begins (``stop_live``), or the
-last copy ending (``hurry``), makes it copy what is left into the piece's pool block and
-write that from there (COPIED). A copy worker skips a LIVE piece, and ``staged`` waits for it.
+A piece of a contiguous host tensor may be written by the flush from the live tensor instead
+(``claim_live``): while no copy has started on it and the save is live, the flush claims it
+(LIVE) and reads it a step at a time into its file's buffer, which the disk then writes
+(``LiveWrite``); once every byte is read it checks that the tensor did not change (WRITTEN: its
+pool block goes back unused). A step that begins (``stop_live``), or the last copy ending,
+*takes the write over* (``take_over_live``): what the flush has not read yet is copied into the
+piece's pool block there and then, and the flush writes that from there (COPIED). So ``staged``
+waits for at most one step's read from memory per live piece, never for a disk write. A copy
+worker skips a LIVE piece, and ``staged`` waits for it.
 The flush of a session whose pool holds all of it writes such pieces from the back of the
 state while the copies go from the front (``flush.py``), so what the disk writes before the
 copies get there is never copied.
@@ -55,6 +58,7 @@ from typing import Any
 
 from ..errors import SnapshotAbortedError
 from ..providers import StateProvider
+from ..providers.tensor import host_copy
 from .device import CPU, Completion, CopyDevice, devices_of, for_providers
 from .latch import Latch
 from .pool import HostPool
@@ -90,6 +94,8 @@ class Piece:
     #: set once the copy is enqueued on the device (or the piece is done): a fence may follow
     enqueued: Latch = field(default_factory=Latch)
     completion: Completion | None = None
+    #: The write from the live tensor that claimed it (``claim_live``).
+    live_write: LiveWrite | None = None
 
     def finish(self) -> None:
         self.admitted.set()
@@ -99,6 +105,27 @@ class Piece:
     def check_unchanged(self, rank: int) -> None:
         for provider, _, _, _ in self.parts:
             provider.check_unchanged(rank)
+
+
+class LiveWrite:
+    """A LIVE piece's write from the live tensor (``flush._write_live``): ``n`` live bytes at
+    address ``src``, of which the flush has read ``read`` (into its file's buffer, a step at a
+    time, under ``lock``); the rest, if the write is taken over, goes to the pool at ``dst``
+    (set by ``claim_live``). It ends once, under ``lock``, in
+    :meth:`SnapshotSession.end_live_write`."""
+
+    def __init__(
+        self, piece: Piece, provider: Any, view: memoryview, src: int, span: tuple[int, int, int]
+    ) -> None:
+        self.piece, self.provider, self.view, self.src = piece, provider, view, src
+        # The part's bytes in the tensor ([start, stop)) and where they start inside the piece.
+        self.start, self.stop, self.at = span
+        self.n = view.nbytes
+        self.dst = 0
+        self.lock = threading.Lock()
+        self.read = 0
+        self.ended = False
+        self.error: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +186,7 @@ class SnapshotSession:
         #: Parts the flush may write from the live tensor (big contiguous host tensors).
         self.live_parts = 0
         self._live_inflight = 0  # LIVE pieces (under _lock)
+        self._live_writes: list[LiveWrite] = []  # their writes, until ended (under _lock)
         self._step_began = False  # stop_live was called: start_live refuses
         self._lock = threading.Lock()
         self._unfinished = 0
@@ -297,30 +325,66 @@ class SnapshotSession:
                 return True
             return False
 
-    def claim_live(self, piece: Piece) -> bool:
-        """Whether the flush writes ``piece`` from the live tensor: it is admitted (its pool
-        block takes what is left if the flush must hurry), no copy started on it, and the save
-        is live. Then it is LIVE until :meth:`live_done`."""
+    def claim_live(self, piece: Piece, write: LiveWrite) -> bool:
+        """Whether the flush writes ``piece`` from the live tensor (``write``): it is admitted
+        (its pool block takes what is left if the write is taken over), no copy started on it,
+        and the save is live. Then it is LIVE until ``write`` ends (:meth:`end_live_write`)."""
         with self._lock:
             if self.hurry() or piece.copying or piece.state != ADMITTED:
                 return False
-            piece.state = LIVE
+            assert self.pool is not None
+            write.dst = self.pool.view(piece.offset + write.at, write.n).data_ptr()
+            piece.state, piece.live_write = LIVE, write
             self._live_inflight += 1
+            self._live_writes.append(write)
             return True
 
+    def end_live_write(self, write: LiveWrite, error: BaseException | None = None) -> None:
+        """End ``write`` (the caller holds its ``lock``; not ended yet): copy what the flush has
+        not read into the pool, check the tensor (version counter, stage-time probes) and
+        finish the piece: WRITTEN if the flush read all of it, else COPIED; FAILED, with
+        ``error`` or the check's, where either failed. Never raises: the error is the
+        session's, and ``write.error`` for the flush."""
+        write.ended = True
+        rest = write.n - write.read
+        try:
+            if error is None and rest:
+                host_copy(write.dst + write.read, write.src + write.read, rest)
+        except BaseException as exc:
+            error = exc
+        try:
+            write.provider.end_live(write.view, write.start, write.stop)
+        except BaseException as exc:
+            error = error or exc
+        write.error, write.view = error, None
+        with self._lock:
+            self._live_writes.remove(write)
+        self.live_done(write.piece, write.read, error, rest_copied=rest > 0)
+
+    def take_over_live(self) -> None:
+        """End every live write now (:meth:`end_live_write`: the flush's unread bytes are
+        copied into the pool here): an optimizer step begins, or every other piece is done, and
+        ``staged`` must not wait for the flush's next disk write."""
+        with self._lock:
+            writes = list(self._live_writes)
+        for write in writes:
+            with write.lock:
+                if not write.ended:
+                    self.end_live_write(write)
+
     def hurry(self) -> bool:
-        """Whether a live write should stop writing from the live tensor and copy the rest of
-        its piece into the pool: an optimizer step began, the save failed, or every other
-        piece is copied (so ``staged`` waits only for live writes)."""
+        """Whether a live write should stop reading the live tensor and copy the rest of its
+        piece into the pool: an optimizer step began, the save failed, or every other piece is
+        done (so ``staged`` waits only for live writes)."""
         return not self.live or self.error is not None or self._unfinished <= self._live_inflight
 
     def live_done(
         self, piece: Piece, nbytes: int, error: BaseException | None, *, rest_copied: bool
     ) -> None:
-        """The flush is done with the LIVE ``piece``: ``nbytes`` of it written from the live
-        tensor, and the rest copied into its pool block (``rest_copied``: then it is COPIED,
-        its block released once flushed) or none (WRITTEN, block released now); or it failed
-        with ``error``."""
+        """The LIVE ``piece``'s write ended (:meth:`end_live_write`): ``nbytes`` of it read by
+        the flush from the live tensor, and the rest copied into its pool block
+        (``rest_copied``: then it is COPIED, its block released once flushed) or none (WRITTEN,
+        block released now); or it failed with ``error``."""
         with self._lock:
             self._live_inflight -= 1
             if error is not None:
@@ -354,6 +418,7 @@ class SnapshotSession:
         with self._lock:
             self._step_began = True
             self.live = False
+        self.take_over_live()
 
     def copied(self, piece: Piece, error: BaseException | None) -> None:
         with self._lock:
@@ -365,7 +430,11 @@ class SnapshotSession:
                 self._release(piece)
             self._finished_one()
             retire = self._retiring and self._quiet()
+            # The last other piece is done: live writes must not make staged wait for a disk.
+            take_over = 0 < self._live_inflight >= self._unfinished
         self._finished(piece, error, retire)
+        if take_over:
+            self.take_over_live()
 
     def _finished(self, piece: Piece, error: BaseException | None, retire: bool) -> None:
         # outside self._lock: a piece just done (copied, written live or failed)
