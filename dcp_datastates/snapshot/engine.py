@@ -94,8 +94,6 @@ class Piece:
     #: set once the copy is enqueued on the device (or the piece is done): a fence may follow
     enqueued: Latch = field(default_factory=Latch)
     completion: Completion | None = None
-    #: The write from the live tensor that claimed it (``claim_live``).
-    live_write: LiveWrite | None = None
 
     def finish(self) -> None:
         self.admitted.set()
@@ -334,7 +332,7 @@ class SnapshotSession:
                 return False
             assert self.pool is not None
             write.dst = self.pool.view(piece.offset + write.at, write.n).data_ptr()
-            piece.state, piece.live_write = LIVE, write
+            piece.state = LIVE
             self._live_inflight += 1
             self._live_writes.append(write)
             return True
@@ -356,7 +354,8 @@ class SnapshotSession:
             write.provider.end_live(write.view, write.start, write.stop)
         except BaseException as exc:
             error = error or exc
-        write.error, write.view = error, None
+        # Not held past the write: the session lets go of the caller's tensors once retired.
+        write.error, write.view, write.provider = error, None, None
         with self._lock:
             self._live_writes.remove(write)
         self.live_done(write.piece, write.read, error, rest_copied=rest > 0)
