@@ -199,6 +199,7 @@ def _write_live(f: Any, session: SnapshotSession, slice_: Any, crc: int) -> int 
     src = localfile._address(view)
     assert src is not None  # a tensor's memory is writable
     write = LiveWrite(piece, provider, view, src, (start, stop, slice_.start))
+    # queue_buffered: False once the file writes plainly (the steps would wait for the disk).
     if not f.queue_buffered() or not session.claim_live(piece, write):
         provider.cancel_live()
         return None

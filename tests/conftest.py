@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,17 +26,6 @@ from dcp_datastates.providers.tensor import TensorProvider
 
 #: Upper bound on any wait for a background event; a test that hits it has hung, not raced.
 EVENT_TIMEOUT_S = 20.0
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = EVENT_TIMEOUT_S) -> None:
-    """Poll ``predicate`` until true (what a garbage collection or a background thread frees
-    signals no event for); fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
 
 MiB = 1 << 20
 

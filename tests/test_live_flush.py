@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import pool_drains, wait_for
+from conftest import pool_drains
 
 import dcp_datastates
 import dcp_datastates.flush as flush_mod
@@ -414,41 +414,3 @@ def test_a_step_that_began_before_the_flush_started_leaves_it_no_live_writes() -
     assert not stepped.start_live() and not stepped.live
     fresh.stop_live()
     assert not fresh.live and not fresh.start_live()
-
-
-def test_a_writer_lets_go_of_tensors_it_wrote_live_once_the_save_is_over(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The writer stays open for the next save, but the tensors of a save that was written live
-    (some taken over) are the caller's alone once it is durable: dropping them frees them."""
-    import gc
-    import weakref
-
-    _direct_or_skip(tmp_path)
-    monkeypatch.setattr(flush_mod, "LIVE_STEP", MiB)
-    state = _state()
-    refs = [weakref.ref(t) for t in state.values()]
-    copying, release = _hold_first_copy(monkeypatch)
-    real_end = tensor_mod.TensorProvider.end_live
-
-    def end_then_release(self: Any, view: Any, start: int, stop: int) -> None:
-        real_end(self, view, start, stop)
-        release.set()
-
-    monkeypatch.setattr(tensor_mod.TensorProvider, "end_live", end_then_release)
-    writer = DataStatesWriter(tmp_path / "w", copy_workers=1, flush_workers=1, eager_copy_bytes=0)
-    try:
-        response = dcp_datastates.async_save(
-            state, writer, checkpoint_id=tmp_path / "ckpt", no_dist=True
-        )
-        response.upload_completion.result(timeout=WAIT)
-        assert writer.last_stats is not None and writer.last_stats.live_bytes > 0
-        del state, response
-        # The session retires on a background thread after the future resolves.
-        wait_for(
-            lambda: gc.collect() >= 0 and all(r() is None for r in refs),
-            "the tensors of a save written live to be freed once the caller drops them",
-        )
-    finally:
-        release.set()
-        writer.close()

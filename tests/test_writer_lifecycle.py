@@ -22,7 +22,6 @@ from conftest import (
     failure_of,
     load_like,
     pool_drains,
-    wait_for,
 )
 from torch.distributed.checkpoint import FileSystemWriter
 
@@ -41,6 +40,14 @@ from dcp_datastates.snapshot import guard, runtime
 from dcp_datastates.snapshot.pool import block_slack, live_pools
 
 SMALL_POOL = {"host_pool_bytes": MiB, "chunk_bytes": 64 * 1024, "coalesce_bytes": 16 * 1024}
+
+
+def wait_for(predicate, what: str, timeout: float = EVENT_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.01)
 
 
 def our_threads() -> list[str]:

@@ -354,8 +354,7 @@ class SnapshotSession:
             write.provider.end_live(write.view, write.start, write.stop)
         except BaseException as exc:
             error = error or exc
-        # Not held past the write: the session lets go of the caller's tensors once retired.
-        write.error, write.view, write.provider = error, None, None
+        write.error = error
         with self._lock:
             self._live_writes.remove(write)
         self.live_done(write.piece, write.read, error, rest_copied=rest > 0)

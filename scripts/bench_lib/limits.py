@@ -9,7 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -181,27 +181,12 @@ def state_copy(tensors: Sequence[torch.Tensor], threads: int, repeat: int = 2) -
     for t, n in zip(tensors, sizes, strict=True):
         jobs += [(base + at + o, t.data_ptr() + o, min(chunk, n - o)) for o in range(0, n, chunk)]
         at += n
-    lock = threading.Lock()
-
-    def work(queue: Iterator[tuple[int, int, int]]) -> None:
-        while True:
-            with lock:
-                job = next(queue, None)
-            if job is None:
-                return
-            host_copy(*job)
-
     best = float("inf")
-    for _ in range(repeat):
-        queue = iter(jobs)
-        workers = [threading.Thread(target=work, args=(queue,)) for _ in range(threads)]
-        t0 = now()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        best = min(best, now() - t0)
-    del buffer
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeat):
+            t0 = now()
+            list(pool.map(lambda job: host_copy(*job), jobs))
+            best = min(best, now() - t0)
     return best
 
 
