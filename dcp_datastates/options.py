@@ -61,13 +61,17 @@ class WriterOptions:
             writes through the page cache, which frees blocks at memory speed and holds the
             dirty bytes until ``fsync`` (``docs/benchmarks.md``, issue 11). Only with
             ``sync_files``; object stores ignore it.
-        live_flush: Let the flush write big host tensors straight from the live state while
-            the snapshot copies run, where the pool holds the whole state and data files are
+        live_flush: Let the flush write big host tensors from the live state while the
+            snapshot copies run, where the pool holds the whole state and data files are
             written with ``O_DIRECT``: it starts at the back of the state as the copies start at
-            the front, and what it writes before they get there is never copied (``flush.py``;
-            less CPU per save, ``docs/benchmarks.md``, issue 11). A live write checks the
-            tensor's version counter afterwards, as a copy does, and stops at the next
-            ``optimizer.step()`` (the rest of its piece is then copied).
+            the front, and what it reads before they get there is never copied into the pool
+            (``flush.py``). A live write checks the tensor's version counter afterwards, as a
+            copy does, and stops at the next ``optimizer.step()`` (the rest of its piece is then
+            copied). ``None`` (default) turns it on where this rank has more cores than copy
+            workers (``effective_live_flush``): on a machine whose copies take every core, the
+            flush's reads, checksums and writes slow the copies that the next optimizer step
+            waits for (3 GB on 2 cores: safe 0.30 s with it, 0.26 s without) and buy no
+            training time (``docs/benchmarks.md``, issue 11, item 24).
         overwrite: Allow saving into a directory that already holds a committed checkpoint. The old
             commit record is removed before any data is written, so a crash mid-overwrite leaves an
             uncommitted directory, never a checkpoint that mixes old and new data.
@@ -92,7 +96,7 @@ class WriterOptions:
     guard_on_device: bool = True
     sync_files: bool = True
     direct_writes: bool = True
-    live_flush: bool = True
+    live_flush: bool | None = None
     overwrite: bool = True
     # Not hashed (a dict is not hashable; the PROCESS daemon keys its runtimes by options), but
     # compared: options that differ only here are still different options.
@@ -136,12 +140,15 @@ class WriterOptions:
             "guard_on_device",
             "sync_files",
             "direct_writes",
-            "live_flush",
             "overwrite",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be True or False")
+        if self.live_flush is not None and not isinstance(self.live_flush, bool):
+            raise ValueError(
+                f"live_flush={self.live_flush!r} must be True, False or None (the machine decides)"
+            )
 
     def effective_copy_workers(self, local_ranks: int = 1) -> int:
         """``copy_workers``, or this rank's share of the cores (1 to 4) when it is ``None``.
@@ -150,6 +157,15 @@ class WriterOptions:
         if self.copy_workers is not None:
             return self.copy_workers
         return max(1, min(4, (os.cpu_count() or 1) // max(1, local_ranks)))
+
+    def effective_live_flush(self, local_ranks: int = 1) -> bool:
+        """``live_flush``, or, when it is ``None``, whether this rank's share of the cores
+        outnumbers its copy workers (``effective_copy_workers``): only then can the flush run
+        beside the copies without taking a core from them."""
+        if self.live_flush is not None:
+            return self.live_flush
+        cores = (os.cpu_count() or 1) // max(1, local_ranks)
+        return cores > self.effective_copy_workers(local_ranks)
 
     def effective_chunk_bytes(self, pool_bytes: int) -> int:
         """Chunk size that always fits the pool at least twice, so copy and flush can overlap."""

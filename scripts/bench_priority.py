@@ -4,6 +4,7 @@
     python scripts/bench_priority.py train 16 "copy_workers=1;copy_workers=2"  # or writer options
     python scripts/bench_priority.py train 16 "live_flush=True;live_flush=False"
     python scripts/bench_priority.py safe 1.0 4 [0,10]   # safe vs DefaultStager: GB, rounds
+    python scripts/bench_priority.py safe 3.0 6 "live_flush=True;live_flush=False"
 
 ``train``: the train scenario's model (0.33 GB state, AdamW), run as blocks of 4 steps; each block
 starts with a checkpoint of one system (no checkpoint, stock ``dcp.async_save`` with its default
@@ -13,8 +14,8 @@ cycles of its block time minus the no-checkpoint block of the same cycle: system
 apart see the same machine load, which a shared two-core machine changes from second to second.
 
 ``safe``: ``DefaultStager`` (cached, unpinned) staging against our time to safe (and our
-durable time), same process, one warmed writer per nice value. Nothing is asserted; figures
-are printed.
+durable time), same process, one warmed writer per nice value or set of writer options. Nothing
+is asserted; figures are printed.
 """
 
 from __future__ import annotations
@@ -99,15 +100,19 @@ def train(cycles: int, configs: list[dict[str, int | bool]]) -> None:
         print(f"  {s:32s} block {statistics.median(blocks[s]):.3f}s overhead {over:+.3f}s{ratio}")
 
 
-def safe(gb: float, rounds: int, nices: list[int]) -> None:
+def safe(gb: float, rounds: int, configs: list[dict[str, int | bool]]) -> None:
     sd = state.build(gb * 1e9, 120)
+    names = [",".join(f"{k}={v}" for k, v in c.items()) or "defaults" for c in configs]
     stager = DefaultStager(DEFAULT_STAGING)
     stager.stage(sd)  # its cache, as in steady state
     root = Path(tempfile.mkdtemp(prefix="bench_priority_"))
-    writers = {n: DataStatesWriter(root / f"w{n}", flush_nice=n) for n in nices}
+    writers = {
+        n: DataStatesWriter(root / f"w{i}", **c)
+        for i, (n, c) in enumerate(zip(names, configs, strict=True))
+    }
     staged: list[float] = []
-    ours: dict[int, list[float]] = {n: [] for n in nices}
-    durable: dict[int, list[float]] = {n: [] for n in nices}
+    ours: dict[str, list[float]] = {n: [] for n in names}
+    durable: dict[str, list[float]] = {n: [] for n in names}
     try:
         for w in writers.values():
             w.warm_up(sd, wait=True)
@@ -116,8 +121,8 @@ def safe(gb: float, rounds: int, nices: list[int]) -> None:
             stager.stage(sd)
             staged.append(time.perf_counter() - t)
             order = list(writers.items())
-            for n, w in order if r % 2 == 0 else order[::-1]:
-                path = root / f"c{n}_{r}"
+            for i, (n, w) in enumerate(order if r % 2 == 0 else order[::-1]):
+                path = root / f"c{i}_{r}"
                 dcp.async_save(sd, storage_writer=w, checkpoint_id=path, no_dist=True).result()
                 assert w.last_stats is not None and w.last_stats.safe_to_mutate_s is not None
                 ours[n].append(w.last_stats.safe_to_mutate_s)
@@ -130,11 +135,11 @@ def safe(gb: float, rounds: int, nices: list[int]) -> None:
         shutil.rmtree(root, ignore_errors=True)
     s0 = statistics.median(staged)
     print(f"{gb} GB, {rounds} rounds, load {os.getloadavg()[0]:.1f}: DefaultStager {s0:.3f}s")
-    for n in nices:
+    for n in names:
         m = statistics.median(ours[n])
         runs = ", ".join(f"{x:.3f}" for x in ours[n])
         d = statistics.median(durable[n])
-        print(f"  ours flush_nice={n}: safe {m:.3f}s ({m / s0:.2f}x) [{runs}], durable {d:.3f}s")
+        print(f"  ours {n}: safe {m:.3f}s ({m / s0:.2f}x) [{runs}], durable {d:.3f}s")
 
 
 def _nices(args: list[str], at: int) -> list[int]:
@@ -177,6 +182,6 @@ if __name__ == "__main__":
     if len(argv) >= 3 and argv[1] == "train":
         train(int(argv[2]), _configs(argv, 3))
     elif len(argv) >= 4 and argv[1] == "safe":
-        safe(float(argv[2]), int(argv[3]), _nices(argv, 4))
+        safe(float(argv[2]), int(argv[3]), _configs(argv, 4))
     else:
         raise SystemExit(__doc__)

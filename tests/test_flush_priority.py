@@ -124,8 +124,9 @@ def _first_writes_after_staged(
 def test_host_flush_starts_writing_once_the_snapshot_is_staged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The pool holds the whole state; with live_flush (the default) the flush starts at once,
-    # to write what the copies have not reached from the live tensors (test_live_flush.py).
+    # The pool holds the whole state; with live_flush (on by default where the cores outnumber
+    # the copy workers) the flush starts at once, to write what the copies have not reached
+    # from the live tensors (test_live_flush.py).
     seen = _first_writes_after_staged(tmp_path, monkeypatch, live_flush=False)
     assert seen == [True] * 4  # 2 files per save, 2 saves
 

@@ -77,9 +77,15 @@ def _save(
     **options: Any,
 ) -> SaveStats:
     """One ``dcp_datastates.async_save`` of ``state`` to ``tmp_path / "ckpt"`` by a writer with
-    one copy worker and one file (``options`` on top); ``during()`` runs while it is in flight,
-    ``release()`` before the writer closes, whatever happened."""
-    options = {"copy_workers": 1, "flush_workers": 1, "eager_copy_bytes": 0, **options}
+    one copy worker and one file, writing live (``options`` on top); ``during()`` runs while it
+    is in flight, ``release()`` before the writer closes, whatever happened."""
+    options = {
+        "copy_workers": 1,
+        "flush_workers": 1,
+        "eager_copy_bytes": 0,
+        "live_flush": True,
+        **options,
+    }
     writer = DataStatesWriter(tmp_path / "w", **options)
     try:
         response = dcp_datastates.async_save(
@@ -104,10 +110,13 @@ def _load_both(path: Path, like: dict[str, torch.Tensor]) -> list[dict[str, torc
     return [stock, ours]
 
 
+@pytest.mark.parametrize("live_flush", [True, None])
 def test_tensors_the_copies_have_not_reached_are_written_live_and_load_back_equal(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, live_flush: bool | None
 ) -> None:
     _direct_or_skip(tmp_path)
+    # None: the machine decides; 4 cores for one copy worker leave the flush cores of its own.
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
     state = _state()
     expected = {k: v.clone() for k, v in state.items()}
     copying, release = _hold_first_copy(monkeypatch)
@@ -135,7 +144,7 @@ def test_tensors_the_copies_have_not_reached_are_written_live_and_load_back_equa
     monkeypatch.setattr(SnapshotSession, "claim_live", claim_after_a_copy_started)
     monkeypatch.setattr(tensor_mod.TensorProvider, "end_live", end_then_release)
     monkeypatch.setattr(DirectFile, "write_external", external)
-    stats = _save(tmp_path, state, release=release.set)
+    stats = _save(tmp_path, state, release=release.set, live_flush=live_flush)
     assert refused == []  # pool bytes written from where they lie (live ones: file's buffer)
     nbytes = {k: v.numel() * v.element_size() for k, v in state.items()}
     # "d" at least (written live before the copy of "a" went on), never "a" (being copied) nor
@@ -209,7 +218,9 @@ def test_a_tensor_changed_while_it_is_written_live_fails_the_save_naming_it(
             release.set()
 
     monkeypatch.setattr(tensor_mod.TensorProvider, "end_live", changed_during_the_write)
-    writer = DataStatesWriter(tmp_path / "w", copy_workers=1, flush_workers=1, eager_copy_bytes=0)
+    writer = DataStatesWriter(
+        tmp_path / "w", copy_workers=1, flush_workers=1, eager_copy_bytes=0, live_flush=True
+    )
     try:
         response = dcp_datastates.async_save(
             state, writer, checkpoint_id=tmp_path / "ckpt", no_dist=True
@@ -300,7 +311,9 @@ def test_the_snapshot_is_safe_while_a_live_write_waits_on_a_slow_disk(
         real_submit(self)
 
     monkeypatch.setattr(DirectFile, "submit", first_submit_hangs)
-    writer = DataStatesWriter(tmp_path / "w", copy_workers=1, flush_workers=1, eager_copy_bytes=0)
+    writer = DataStatesWriter(
+        tmp_path / "w", copy_workers=1, flush_workers=1, eager_copy_bytes=0, live_flush=True
+    )
     try:
         response = dcp_datastates.async_save(
             state, writer, checkpoint_id=tmp_path / "ckpt", no_dist=True
@@ -330,6 +343,37 @@ def test_no_live_writes_when_turned_off_or_the_pool_is_smaller_than_the_state(
 ) -> None:
     state = _state()
     stats = _save(tmp_path, state, copy_workers=2, chunk_bytes=MiB, **options)
+    assert stats.live_bytes == 0
+    for loaded in _load_both(tmp_path / "ckpt", state):
+        for k, v in state.items():
+            assert torch.equal(loaded[k], v), k
+
+
+def test_by_default_nothing_is_written_live_where_the_copies_take_every_core(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _direct_or_skip(tmp_path)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)  # 2 cores: 2 copy workers by default
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    started: list[bool] = []
+    real_start = SnapshotSession.start_live
+
+    def start_live(self: SnapshotSession) -> bool:
+        started.append(True)
+        return real_start(self)
+
+    monkeypatch.setattr(SnapshotSession, "start_live", start_live)
+    state = _state()
+    writer = DataStatesWriter(tmp_path / "w", chunk_bytes=MiB)
+    try:
+        dcp_datastates.async_save(
+            state, writer, checkpoint_id=tmp_path / "ckpt", no_dist=True
+        ).upload_completion.result(timeout=WAIT)
+        assert writer.last_stats is not None
+        stats = writer.last_stats
+    finally:
+        writer.close()
+    assert started == []  # the flush never asked to write from the live tensors
     assert stats.live_bytes == 0
     for loaded in _load_both(tmp_path / "ckpt", state):
         for k, v in state.items():

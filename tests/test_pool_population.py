@@ -93,3 +93,16 @@ def test_copy_workers_default_to_this_ranks_share_of_the_cores(monkeypatch: Any)
     assert WriterOptions().effective_copy_workers(local_ranks=8) == 2
     assert WriterOptions().effective_copy_workers(local_ranks=32) == 1
     assert WriterOptions(copy_workers=7).effective_copy_workers(local_ranks=8) == 7
+
+
+def test_live_flush_defaults_to_on_where_cores_outnumber_the_copy_workers(monkeypatch: Any) -> None:
+    from dcp_datastates import WriterOptions
+
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert WriterOptions().effective_live_flush()  # 4 workers, 16 cores
+    assert not WriterOptions().effective_live_flush(local_ranks=8)  # 2 workers, 2 cores each
+    assert WriterOptions(copy_workers=1).effective_live_flush(local_ranks=8)
+    assert not WriterOptions(live_flush=False).effective_live_flush()
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert not WriterOptions().effective_live_flush()  # 2 workers take both cores
+    assert WriterOptions(live_flush=True).effective_live_flush()

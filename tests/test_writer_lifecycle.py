@@ -563,7 +563,7 @@ BAD_OPTIONS = [
     ("guard_on_device", 1, "must be True or False"),
     ("sync_files", None, "must be True or False"),
     ("direct_writes", "yes", "must be True or False"),
-    ("live_flush", 1, "must be True or False"),
+    ("live_flush", 1, "must be True, False or None"),
     ("overwrite", 0, "must be True or False"),
     ("storage_options", "http://127.0.0.1:9000", "must be a mapping"),
 ]

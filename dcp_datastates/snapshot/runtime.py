@@ -115,6 +115,7 @@ class _Resources:
             copy_workers=options.effective_copy_workers(local_world_size()),
             on_stall=on_stall,
         )
+        self.live_flush = options.effective_live_flush(local_world_size())
         self.flushes: set[Future[Any]] = set()  # running flushes, which close() waits for
 
     def track(self, flush: Future[Any]) -> None:
@@ -544,7 +545,7 @@ class SnapshotRuntime:
         # Host copies whose pool holds the whole session: the flush writes what the copies
         # have not reached straight from the live tensors (engine.py, flush.py), from now on.
         if (
-            self.options.live_flush
+            res.live_flush
             and session.live_parts > 0
             and session.device.synchronous
             and session.pool is not None
