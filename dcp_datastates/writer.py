@@ -360,10 +360,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         of walking and planning in full (at 1,000-20,000 tensors its time to safe was 1.2-4.3x the
         steady state's after a ``warm_up`` that only made the pool). For a local checkpoint
         written with ``direct_writes``, the flush's aligned buffers (one per file, 32 MiB each)
-        are mapped and faulted in here too, on the calling thread."""
+        are mapped and faulted in here too, on the calling thread, and the threads a first save
+        starts (planning, copies, one save thread) are started."""
         tensors = _tensors_of(state_dict)
         nbytes = sum(t.numel() * t.element_size() for t in tensors) + 64 * len(tensors)
         pool = self._runtime.prepare(nbytes, _current_rank())
+        self._runtime.start_threads()
         opts = self.options
         if opts.direct_writes and opts.sync_files and is_local(self.path):
             localfile.prepare_buffers(opts.flush_workers)

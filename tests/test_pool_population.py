@@ -85,6 +85,30 @@ def test_warm_up_sizes_and_populates_the_pool_the_first_save_then_uses(
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
 
 
+def test_after_warm_up_the_first_save_starts_no_thread_on_its_way_to_the_copies(
+    tmp_path: Path, make_writer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A thread's start waits for it to run: on the caller (planning, save thread) it was
+    # blocked time, and the copy workers' start came before the first copy (item 24).
+    state = {"w": torch.randn(MiB), "b": torch.arange(10.0), "step": 3}
+    writer = make_writer(tmp_path / "ckpt")
+    writer.warm_up(state, wait=True)
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        started.append(self.name)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    response = async_save(state, writer, no_dist=True)
+    response.staging_completion.result(timeout=EVENT_TIMEOUT_S)
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    # The flush's file threads start per save, on the save thread, once the copies are under
+    # way; nothing else starts.
+    assert started and all(name.startswith("datastates-flush") for name in started), started
+
+
 def test_copy_workers_default_to_this_ranks_share_of_the_cores(monkeypatch: Any) -> None:
     from dcp_datastates import WriterOptions
 

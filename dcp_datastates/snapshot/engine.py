@@ -637,6 +637,10 @@ class SnapshotScheduler:
     def submit(self, session: SnapshotSession) -> None:
         self._queue.put(session)
 
+    def start_copy_workers(self) -> None:
+        """Start the copy workers now rather than with the first copy (``warm_up``)."""
+        self._copies.start()
+
     def close(self) -> None:
         """Stop after the queued sessions; wait for the threads (unless called on one of them)."""
         self._queue.put(None)

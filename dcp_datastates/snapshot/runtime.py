@@ -475,6 +475,25 @@ class SnapshotRuntime:
             self.check_open()
             return self._ensure(expected_bytes, rank).pool
 
+    def start_threads(self) -> None:
+        """Start the threads a first save would start on its way (``warm_up``): the planning
+        thread and a save thread, on the caller's, and the copy workers, which the first copy
+        waits for. Each start waits for its thread to run: on the first save after ``warm_up``
+        at 4 GB that was 3-15 ms of the caller's and 9 ms before the first copy (item 24)."""
+        with self._lock:
+            self.check_open()
+            if self._planner is None:
+                self._planner = JobThreads(1, "datastates-plan")
+            if self._savers is None:
+                self._savers = ThreadPoolExecutor(
+                    MAX_SAVE_THREADS, thread_name_prefix="datastates-save"
+                )
+            planner, savers, res = self._planner, self._savers, self._resources
+        planner.start()
+        savers.submit(int)  # the pool starts a thread for its first job, which then waits idle
+        if res is not None:
+            res.scheduler.start_copy_workers()
+
     @staticmethod
     def _never_claimed_error(rank: int) -> SnapshotAbortedError:
         return SnapshotAbortedError(
