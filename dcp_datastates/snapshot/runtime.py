@@ -478,8 +478,9 @@ class SnapshotRuntime:
     def start_threads(self) -> None:
         """Start the threads a first save would start on its way (``warm_up``): the planning
         thread and a save thread, on the caller's, and the copy workers, which the first copy
-        waits for. Each start waits for its thread to run: on the first save after ``warm_up``
-        at 4 GB that was 3-15 ms of the caller's and 9 ms before the first copy (item 24)."""
+        waits for. Each start waits for its thread to run: the first save after ``warm_up`` at 4
+        GB returned after 1.9-3.1 ms where later saves take 0.7-0.8, and its first copy started
+        14-22 ms after the call against 8-11 ms (``docs/benchmarks.md``, item 24)."""
         with self._lock:
             self.check_open()
             if self._planner is None:
