@@ -211,7 +211,9 @@ def _write_live(f: Any, session: SnapshotSession, slice_: Any, crc: int) -> int 
             with write.lock:
                 if write.ended:  # taken over: the rest is in the pool
                     break
-                if session.hurry():
+                # A file that came to write plainly would write the next step under the lock,
+                # and a take-over would wait for the disk: the rest goes through the pool.
+                if session.hurry() or not f.writes_directly:
                     session.end_live_write(write)
                     break
                 part = view[write.read : write.read + min(LIVE_STEP, write.n - write.read)]

@@ -268,6 +268,12 @@ class DirectFile:
         self._fill += n
         return self._view[self._fill - n : self._fill]
 
+    @property
+    def writes_directly(self) -> bool:
+        """False once the file system refused a direct write: ``write`` and ``copy_in`` then
+        write to the disk before they return."""
+        return self._direct
+
     def room(self) -> int:
         """Bytes ``write`` takes into the buffer before it must write some of it out."""
         return self._cap - self._fill

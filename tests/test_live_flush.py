@@ -7,6 +7,9 @@ the flush (which starts from the back) takes the others live.
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +27,7 @@ from dcp_datastates import (
     DataStatesReader,
     DataStatesWriter,
     SnapshotMutationError,
+    localfile,
 )
 from dcp_datastates.format import METADATA_NAME
 from dcp_datastates.localfile import DirectFile
@@ -234,6 +238,49 @@ def test_a_tensor_changed_while_it_is_written_live_fails_the_save_naming_it(
     finally:
         release.set()
         writer.close()
+
+
+def test_a_file_that_comes_to_write_plainly_mid_write_sends_the_rest_through_the_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file system refuses the first direct write of a live step (``EINVAL``), so the file
+    writes plainly from then on: a further step would write to the disk under the write's lock,
+    where a take-over would wait for it. The write ends instead, the rest of its piece copied
+    into the pool and written from there, and the checkpoint holds the call's values."""
+    _direct_or_skip(tmp_path)
+    monkeypatch.setattr(flush_mod, "LIVE_STEP", MiB // 4)  # "d" (4 MiB) takes 16 steps
+    real_writev = localfile.os.writev
+
+    def refuse_direct(fd: int, segments: Any) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_writev(fd, segments)
+
+    monkeypatch.setattr(localfile.os, "writev", refuse_direct)
+    steps: list[bool] = []  # per copy_in: whether the file still wrote directly
+    real_copy_in = DirectFile.copy_in
+
+    def copy_in(self: DirectFile, data: memoryview) -> memoryview:
+        steps.append(self.writes_directly)
+        return real_copy_in(self, data)
+
+    monkeypatch.setattr(DirectFile, "copy_in", copy_in)
+    state = _state()
+    expected = {k: v.clone() for k, v in state.items()}
+    _, release = _hold_first_copy(monkeypatch)
+    real_end = tensor_mod.TensorProvider.end_live
+
+    def end_then_release(self: Any, view: Any, start: int, stop: int) -> None:
+        real_end(self, view, start, stop)
+        release.set()
+
+    monkeypatch.setattr(tensor_mod.TensorProvider, "end_live", end_then_release)
+    stats = _save(tmp_path, state, release=release.set)
+    assert steps == [True]  # one step read live, none once the file wrote plainly
+    assert stats.live_bytes == MiB // 4
+    for loaded in _load_both(tmp_path / "ckpt", state):
+        for k, v in expected.items():
+            assert torch.equal(loaded[k], v), k
 
 
 def test_a_step_that_begins_mid_write_gets_the_rest_copied_and_the_checkpoint_its_values(
