@@ -401,16 +401,25 @@ def test_async_save_with_a_writer_runs_its_saves_on_reused_threads_that_close_en
         assert not thread.is_alive()
 
 
-def test_threads_warm_up_started_end_with_close_even_without_a_save(tmp_path: Path) -> None:
-    before = our_threads()
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_threads_warm_up_started_end_with_the_writer_even_without_a_save(
+    tmp_path: Path, how: str
+) -> None:
+    before = set(threading.enumerate())
     writer = DataStatesWriter(tmp_path / "w")
     writer.warm_up(state(), wait=True)
-    started = [t for t in our_threads() if t not in before]
-    assert any(n.startswith("datastates-plan") for n in started)
-    assert any(n.startswith("datastates-save") for n in started)
-    assert any(n.startswith("datastates-copy") for n in started)
-    writer.close()
-    wait_for(lambda: our_threads() == before, "the threads warm_up started to end")
+    started = [t for t in threading.enumerate() if t not in before]
+    names = [t.name for t in started]
+    for kind in ("datastates-plan", "datastates-save", "datastates-copy"):
+        assert any(n.startswith(kind) for n in names), names
+    if how == "close":
+        writer.close()
+    else:  # a writer made, warmed up and dropped
+        del writer
+        gc.collect()
+    for thread in started:
+        thread.join(timeout=EVENT_TIMEOUT_S)
+    assert [t.name for t in started if t.is_alive()] == []
 
 
 def test_a_save_failing_while_planning_on_a_reused_save_thread_drops_its_snapshot(
