@@ -21,8 +21,8 @@ piece's pool block there and then, and the flush writes that from there (COPIED)
 waits for at most one step's read from memory per live piece, never for a disk write. A copy
 worker skips a LIVE piece, and ``staged`` waits for it.
 The flush of a session whose pool holds all of it writes such pieces from the back of the
-state while the copies go from the front (``flush.py``), so what the disk writes before the
-copies get there is never copied.
+state while the copies go from the front (``flush.py``), so what the flush reads before the
+copies get there is never copied into the pool.
 
 Pieces are admitted strictly in sequence order by one scheduler thread per writer, across saves,
 and the flush stage consumes each file's pieces in that same order; with no piece larger than the
