@@ -110,6 +110,37 @@ def test_put_atomic_replaces_the_whole_file_and_leaves_no_temporary(location: st
     assert read_back(location, "record.tmp") is None
 
 
+@pytest.mark.parametrize("buffers", [[5000], [1200, 0, 2300, 1500]], ids=["one", "several"])
+@pytest.mark.parametrize("cap", [None, 700], ids=["whole", "short reads"])
+def test_a_local_ranged_read_fills_its_buffers_whatever_each_call_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, buffers: list[int], cap: int | None
+) -> None:
+    """``read_into`` fills every buffer from the offset, returning fewer bytes only at the end of
+    the file, also where the kernel returns less than asked (a signal, a network file system):
+    ``cap`` bytes at most per ``preadv``."""
+    data = os.urandom(9000)
+    (tmp_path / "f").write_bytes(data)
+    if cap is not None:
+        real_preadv = os.preadv
+
+        def short_preadv(fd: int, bufs: list[memoryview], offset: int) -> int:
+            first = memoryview(bufs[0]).cast("B")
+            return real_preadv(fd, [first[:cap]], offset)
+
+        monkeypatch.setattr(os, "preadv", short_preadv)
+    ranged = LocalStorage(str(tmp_path)).open_ranged("f")
+    try:
+        views = [memoryview(bytearray(n)) for n in buffers]
+        assert ranged.read_into(1000, views) == sum(buffers)
+        assert b"".join(bytes(v) for v in views) == data[1000 : 1000 + sum(buffers)]
+        tail = [memoryview(bytearray(n)) for n in buffers]
+        want = len(data) - 6000
+        assert ranged.read_into(6000, tail) == want  # past the end: what the file holds
+        assert b"".join(bytes(v) for v in tail)[:want] == data[6000:]
+    finally:
+        ranged.close()
+
+
 def test_a_checkpoint_round_trips_through_every_location(location: str, make_writer) -> None:
     state = {"w": torch.randn(32, 8), "nested": {"b": torch.arange(5)}, "step": 9}
     writer = make_writer(location)
