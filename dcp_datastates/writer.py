@@ -335,8 +335,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         ``stage()`` recorded."""
         captured.resolve()
         if self._runtime.pool is None:
-            # The first save: faulting the pool in (pool.py) overlaps the planning below.
-            self._runtime.prepare(captured.tensor_bytes() + 64 * captured.tensors, _current_rank())
+            # The first save: faulting the pool in (pool.py) overlaps the planning below. The
+            # save is staged: a close() since waits for it, so the pool is made even then.
+            self._runtime.prepare(
+                captured.tensor_bytes() + 64 * captured.tensors, _current_rank(), staged=True
+            )
         items = plan_providers(
             captured.state,
             versions=captured.versions,

@@ -485,6 +485,31 @@ def test_close_during_a_save_waits_for_it_and_the_checkpoint_holds_the_call_stat
     assert writer._runtime.pool is None
 
 
+@pytest.mark.parametrize("how", ["async_save", "dcp.async_save"])
+@pytest.mark.parametrize("kind", ["tensors", "with an object"])  # recorded / planned in stage()
+def test_close_right_after_a_fresh_writers_first_save_waits_for_it(
+    tmp_path: Path, how: str, kind: str
+) -> None:
+    """The last checkpoint of a run, then ``close()``: on a writer that never saved (no pool
+    yet), the save's planning makes the pool after close() began, and must (it failed with
+    WriterClosedError, nothing committed)."""
+    sd: dict = {"a": torch.randn(1000), "b": torch.randn(64, 64)}
+    if kind == "with an object":
+        sd["shape"] = torch.Size([3, 4])  # not a scalar: the state is planned in stage()
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    writer = DataStatesWriter(tmp_path / "w")
+    path = tmp_path / "final"
+    if how == "async_save":
+        future = async_save(sd, writer, checkpoint_id=path, no_dist=True).upload_completion
+    else:
+        future = dcp.async_save(sd, storage_writer=writer, checkpoint_id=path, no_dist=True)
+    writer.close()
+    future.result(timeout=EVENT_TIMEOUT_S)
+    assert (path / METADATA_NAME).exists()
+    assert_same_state(expected, load_like(path, expected, "stock"))
+    assert writer._runtime.pool is None  # and close() still gave the pool back
+
+
 def test_close_with_a_timeout_fails_a_stuck_save_cleanly(tmp_path: Path, gated_tensors) -> None:
     sd = state()
     writer = DataStatesWriter(tmp_path, guard_optimizer_step=False, **SMALL_POOL)

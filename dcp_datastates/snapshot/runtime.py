@@ -177,6 +177,10 @@ class SnapshotRuntime:
         #: waits on until that thread is returning from ``dcp.async_save``.
         self._returning: list[tuple[threading.Thread, Latch]] = []
         self.closed = False
+        #: Pool and threads given back (``close()`` ended, or ``abandon()``): no save may make
+        #: them again. Between ``closed`` and this, close() waits for the saves already staged,
+        #: and the first save's planning still makes the pool.
+        self._released = False
         #: ``staged`` future of the most recent ``stage()``.
         self.last_staged: Future[None] | None = None
 
@@ -196,6 +200,8 @@ class SnapshotRuntime:
     def _ensure(self, expected_bytes: int, rank: int) -> _Resources:
         # caller holds self._lock
         if self._resources is None:
+            if self._released:
+                raise self._closed_error()  # a session close() gave up on: no new pool
             size = self.options.host_pool_bytes
             if size is None:
                 size = auto_pool_bytes(self.options, expected_bytes)
@@ -469,10 +475,13 @@ class SnapshotRuntime:
         with self._lock:
             self._returning = [entry for entry in self._returning if entry[1] is not returning]
 
-    def prepare(self, expected_bytes: int, rank: int) -> HostPool:
-        """Size the pool now (if no save did yet) and start faulting it in (``pool.py``)."""
+    def prepare(self, expected_bytes: int, rank: int, *, staged: bool = False) -> HostPool:
+        """Size the pool now (if no save did yet) and start faulting it in (``pool.py``).
+        ``staged``: for a save already staged (the first save's planning), which ``close()``
+        waits for, so a writer closed since may still make its pool."""
         with self._lock:
-            self.check_open()
+            if not staged:
+                self.check_open()
             return self._ensure(expected_bytes, rank).pool
 
     def start_threads(self) -> None:
@@ -687,7 +696,9 @@ class SnapshotRuntime:
         if self._savers is not None:
             # Their saves retired above; close() may run on one of them (a done callback).
             self._savers.shutdown(wait=False)
-        res, self._resources = self._resources, None
+        with self._lock:
+            res, self._resources = self._resources, None
+            self._released = True
         if res is not None:
             res.close()
 
@@ -705,6 +716,7 @@ class SnapshotRuntime:
             self._unclaimed = None
             busy = self._busy()
             res, self._resources = self._resources, None
+            self._released = True
             self._spare = None
             if self._planner is not None:
                 self._planner.shutdown(wait=False)
