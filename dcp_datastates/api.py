@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from . import path_turns
 from ._dcp_private import AsyncSaveCall, require_cpu_backend
 from .errors import CheckpointSaveError
 from .planner import StagedSavePlanner
@@ -179,6 +180,7 @@ def _save_staged(
     finally:
         writer._local.__dict__.pop("save", None)
         writer._runtime.save_ended()  # a snapshot it claimed and never wrote is dropped
+        path_turns.end_owned()  # saves after it to the same directory may write (path_turns.py)
 
 
 #: Values that are never ``Stateful`` (exact types): no protocol check for them, which costs

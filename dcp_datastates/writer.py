@@ -18,7 +18,9 @@ Lifecycle of one save (the state names appear in code, logs and docs)::
                                                     (forward gate);
                                                     optimizer.step() waits for them (the guard).
     PLANNING   DCP save thread        every         reset(id), set_up_storage_writer: claim the
-                                                    staged snapshot; prepare_local_plan: mkdir
+                                                    staged snapshot; prepare_local_plan: wait
+                                                    for earlier saves to the same directory
+                                                    (path_turns.py), mkdir
                                       coordinator   prepare_global_plan: remove an old .metadata,
                                                     name each rank's files
     FLUSHING   DCP save thread +      every         write_data: files written as pieces land;
@@ -62,7 +64,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from . import _dcp_private, localfile
+from . import _dcp_private, localfile, path_turns
 from . import commit as _commit
 from .compat import lazy_staging_planner, stock_stage, writer_options
 from .dcp_future import RelayFuture
@@ -128,6 +130,7 @@ class _Save:
         self.started = time.monotonic()
         self.synchronous = False  # a plain dcp.save: no stage(), the caller waits throughout
         self.done = False  # this rank will make no more writer calls for this save
+        self.turn: path_turns.Turn | None = None  # its place among saves to its directory
 
     @property
     def commit_rank(self) -> int | None:
@@ -296,6 +299,28 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             return copied
         rank = _current_rank()
         stats = SaveStats(checkpoint_id="", rank=rank, pool_bytes=self._runtime.pool_capacity)
+        path_turns.end_owned()  # a plain dcp.save this thread ran has returned
+        turn = path_turns.take(call.checkpoint_id or self.path)
+        try:
+            staged = self._stage_session(state_dict, call, stats, turn, start)
+        except BaseException:
+            turn.leave()  # no save will run: the saves after it need not wait
+            raise
+        self._process_staged = None
+        self._local.staged_stats = stats
+        stats.blocked_s = stats.stage_s = time.monotonic() - start
+        return staged
+
+    def _stage_session(
+        self,
+        state_dict: STATE_DICT_TYPE,
+        call: _dcp_private.AsyncSaveCall,
+        stats: SaveStats,
+        turn: path_turns.Turn,
+        start: float,
+    ) -> STATE_DICT_TYPE:
+        """stage()'s snapshot: recorded for the planning thread, or planned here."""
+        rank = stats.rank
         captured = self._captures.capture(state_dict)
         staged: STATE_DICT_TYPE = state_dict
         if captured is not None:  # host tensors and plain values: plan on the planning thread
@@ -304,9 +329,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 # DefaultSavePlanner of DCP's; the planning thread's plan takes its place.
                 staged = planned_elsewhere()
             stats.eager_bytes = captured.eager_bytes
-            self._runtime.stage_later(
+            session = self._runtime.stage_later(
                 functools.partial(self._plan_captured, captured, call),
-                stats,
+                (stats, turn),
                 rank=rank,
                 started=start,
                 expect_claim=call.found,
@@ -322,10 +347,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             except BaseException as exc:
                 self._runtime.abort(session, exc)
                 raise
-            self._runtime.stage(session, stats, started=start, expect_claim=call.found)
-        self._process_staged = None
-        self._local.staged_stats = stats
-        stats.blocked_s = stats.stage_s = time.monotonic() - start
+            self._runtime.stage(session, (stats, turn), started=start, expect_claim=call.found)
+        turn.dropped_with(session)
         return staged
 
     def _plan_captured(
@@ -449,9 +472,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         save = self._local.save = _Save(
             path, self.options.storage_options, direct=self.options.direct_writes
         )
+        turn = None
         if claimed is not None:
-            session, stats = claimed
+            session, (stats, turn) = claimed
             save.session, save.stats, save.started = session, stats, session.created
+        save.turn = turn if turn is not None else path_turns.take(path)
+        save.turn.run_here()
         return save
 
     @staticmethod
@@ -504,6 +530,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         save = self._save()
+        if save.turn is not None:  # earlier saves to this directory end first (path_turns.py)
+            save.turn.wait(save.storage.describe("").rstrip("/"))
         save.storage.makedirs()
         if is_planned_elsewhere(plan):
             plan = self._writers_plan(save, plan)

@@ -348,7 +348,7 @@ class SnapshotRuntime:
         started: float,
         expect_claim: bool,
         after: Callable[[], None] | None = None,
-    ) -> None:
+    ) -> SnapshotSession:
         """:meth:`stage` for a state ``stage()`` only recorded (``capture.py``): the session is
         planned on the planning thread by ``plan()`` (its items and the bytes this rank will
         write); ``after`` runs there next, once the session is planned and started. Host
@@ -385,6 +385,7 @@ class SnapshotRuntime:
             _forward_gate.hold(session)
         self.last_staged = session.staged
         planner.submit(self._plan_and_start, session, plan, claimed, returning, after)
+        return session
 
     def _make_spare(self, rank: int) -> None:
         """On the planning thread: the session the next ``stage_later`` takes."""
