@@ -14,7 +14,9 @@ stock DCP checkpoint has no manifest, so no checksums.
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
 import pickle
 import re
 import sys
@@ -30,6 +32,7 @@ from .errors import ChecksumMismatchError, DataStatesError
 from .format import (
     DATA_SUFFIX,
     FORMAT_VERSION,
+    METADATA_CRC_FIELD,
     METADATA_NAME,
     RecordInfo,
     decode_manifest,
@@ -61,6 +64,9 @@ def _commit_ranks(storage: LocalStorage | FsspecStorage, rank: int | None) -> li
 
 def _each_commit(handler: Any, args: argparse.Namespace) -> int:
     storage = storage_for(args.path)
+    if isinstance(storage, LocalStorage) and os.path.isfile(storage.root):
+        print(f"error: {args.path} is a file; give a checkpoint's directory", file=sys.stderr)
+        return EXIT_NOT_COMMITTED
     codes = [handler(args, storage, r) for r in _commit_ranks(storage, args.rank)]
     return next(c for c in _WORST_FIRST if c in codes)
 
@@ -68,9 +74,17 @@ def _each_commit(handler: Any, args: argparse.Namespace) -> int:
 def _not_committed(
     path: str, storage: LocalStorage | FsspecStorage, as_json: bool, rank: int | None = None
 ) -> int:
-    files = [n for n in storage.list_names() if n.endswith(DATA_SUFFIX)]
+    names = storage.list_names()
+    files = [n for n in names if n.endswith(DATA_SUFFIX)]
     if as_json:
-        print(json.dumps({"path": path, "committed": False, "data_files": files}, indent=1))
+        print(
+            json.dumps(
+                {"path": path, "committed": False, "exists": bool(names), "data_files": files},
+                indent=1,
+            )
+        )
+    elif not names:
+        print(f"{path}: NO CHECKPOINT (the directory is empty or does not exist)")
     else:
         print(f"{path}: NOT COMMITTED (no {metadata_name(rank)}; {len(files)} data file(s))")
         print("The save that wrote it did not finish; do not load it.")
@@ -205,10 +219,20 @@ def _verify(
         return _not_committed(args.path, storage, False, rank)
     try:
         # .metadata is read (safely) only to cross-check items; the records come from the
-        # manifest, and truncation is reported per record rather than refused up front.
-        with storage.open_read(meta) as f:
-            metadata = pickle.load(f) if args.trusted else load_metadata(f, storage.describe(meta))
+        # manifest, and truncation is reported per record rather than refused up front. Its
+        # bytes are checked against the manifest's record of them before they are unpickled.
         head, manifest = _read_manifest(storage, rank)
+        with storage.open_read(meta) as f:
+            blob = f.read()
+        expected = (head or {}).get(METADATA_CRC_FIELD)
+        if isinstance(expected, int) and crc32c(blob) != expected:
+            print(
+                f"{args.path}{_of(rank)}: DAMAGED: {meta} has crc32c {crc32c(blob):#010x}, the "
+                f"manifest expects {expected:#010x}"
+            )
+            return EXIT_DAMAGED
+        where = storage.describe(meta)
+        metadata = pickle.loads(blob) if args.trusted else load_metadata(io.BytesIO(blob), where)
         for info in manifest.values():
             if not args.trusted:
                 check_relative_path(storage, info.relative_path)

@@ -14,6 +14,7 @@ import pickle
 import re
 
 import torch
+from crc32c import crc32c
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -96,7 +97,15 @@ def commit(
             info: RecordInfo = wr.storage_data
             storage_data[wr.index] = StorageInfo(info.relative_path, info.offset, info.length)
             entries[manifest_key(wr.index.fqn, wr.index.offset)] = info
-    manifest = encode_manifest(entries, world_size=len(results), torch_version=torch.__version__)
+    metadata.version = DCP_VERSION
+    metadata.storage_data = storage_data
+    metadata_blob = pickle.dumps(metadata)
+    manifest = encode_manifest(
+        entries,
+        world_size=len(results),
+        torch_version=torch.__version__,
+        metadata_crc32c=crc32c(metadata_blob),  # a reader checks it before unpickling
+    )
     _check_sizes(storage, entries, rank)
     written = {info.relative_path for info in entries.values()}
     manifest_file, metadata_file = manifest_name(commit_rank), metadata_name(commit_rank)
@@ -106,9 +115,7 @@ def commit(
         _sync_dirs(storage, rank)
     _put(storage, manifest_file, manifest, sync=sync, rank=rank)
 
-    metadata.version = DCP_VERSION
-    metadata.storage_data = storage_data
-    _put(storage, metadata_file, pickle.dumps(metadata), sync=sync, rank=rank)
+    _put(storage, metadata_file, metadata_blob, sync=sync, rank=rank)
     logger.debug("committed %s (%d items)", storage.describe(metadata_file), len(storage_data))
 
 

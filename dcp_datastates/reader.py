@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from crc32c import crc32c
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -44,7 +45,7 @@ from .format import (
     DATA_SUFFIX,
     METADATA_NAME,
     RecordInfo,
-    decode_manifest,
+    decode_manifest_full,
     manifest_key,
     manifest_name,
     metadata_name,
@@ -113,6 +114,7 @@ class DataStatesReader(StorageReader):
             self.fetch_options = dataclasses.replace(self.fetch_options, check_bytes=None)
         self.metadata: Metadata | None = None
         self.manifest: dict[str, RecordInfo] | None = None
+        self._metadata_crc: int | None = None  # the manifest's checksum of the commit record
         self._checked: Metadata | None = None
         self._metadata_rank: int | None = None  # whose __{rank}.metadata was read; None: global
         self.load_id = str(uuid.uuid4())  # a new one per load, as stock FileSystemReader
@@ -141,16 +143,24 @@ class DataStatesReader(StorageReader):
         if not self.storage.exists(name):
             raise self._not_committed(name)
         with self.storage.open_read(name) as f:
-            if self.trusted:
-                metadata: Metadata = pickle.load(f)
-            else:
-                metadata = load_metadata(f, self.storage.describe(name))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+            blob = f.read()
         if self._metadata_rank != rank:
             self.manifest = None  # a manifest of another commit record
         self._metadata_rank = rank
+        self._load_manifest()  # first: it holds the commit record's checksum
+        if self._metadata_crc is not None and self.verify and crc32c(blob) != self._metadata_crc:
+            raise ChecksumMismatchError(
+                f"{self.storage.describe(name)} has crc32c {crc32c(blob):#010x}, but the "
+                f"manifest was committed with {self._metadata_crc:#010x}; the checkpoint is "
+                "damaged: load an earlier one"
+            )
+        if self.trusted:
+            metadata: Metadata = pickle.loads(blob)
+        else:
+            metadata = load_metadata(io.BytesIO(blob), self.storage.describe(name))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
         self.metadata = metadata
         self._prepare()
         return metadata
@@ -167,6 +177,7 @@ class DataStatesReader(StorageReader):
     def _load_manifest(self) -> None:
         if self.manifest is not None:
             return
+        self._metadata_crc = None
         name = manifest_name(self._metadata_rank)
         if not self.storage.exists(name):
             logger.info("%s has no manifest (stock DCP): nothing to verify", self.path)
@@ -174,7 +185,9 @@ class DataStatesReader(StorageReader):
         with self.storage.open_read(name) as f:
             blob = f.read()
         try:
-            self.manifest = decode_manifest(blob, self.storage.describe(name))
+            self.manifest, self._metadata_crc = decode_manifest_full(
+                blob, self.storage.describe(name)
+            )
         except ChecksumMismatchError as exc:
             if self.verify:
                 raise

@@ -80,11 +80,43 @@ def load_metadata(f: IO[bytes], where: str) -> Metadata:
         metadata = MetadataUnpickler(f).load()
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"{where}: {exc}") from None
+    except Exception as exc:  # a damaged pickle raises whatever its bytes lead to
+        raise ChecksumMismatchError(
+            f"{where} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged: "
+            "load an earlier one"
+        ) from exc
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(
             f"{where} holds a {type(metadata).__name__}, not DCP Metadata; refusing to load it"
         )
+    _check_fields(metadata, where)
     return metadata
+
+
+def _check_fields(metadata: Metadata, where: str) -> None:
+    """A damaged byte can leave a well-formed pickle whose fields are missing or of another type
+    (a field's name changed, a number read as a string): refuse it here, by name, rather than
+    fail later on an attribute."""
+    try:
+        fields_ok = isinstance(metadata.state_dict_metadata, dict) and isinstance(
+            metadata.storage_data, (dict, type(None))
+        )
+        for index, info in (metadata.storage_data or {}).items() if fields_ok else ():
+            if not (
+                isinstance(index.fqn, str)
+                and isinstance(info.relative_path, str)
+                and type(info.offset) is int
+                and type(info.length) is int
+            ):
+                fields_ok = False
+                break
+    except AttributeError:
+        fields_ok = False
+    if not fields_ok:
+        raise ChecksumMismatchError(
+            f"{where} is not the metadata DCP writes (a field is missing or of another type); "
+            "the checkpoint is damaged: load an earlier one"
+        )
 
 
 def check_relative_path(storage: LocalStorage | FsspecStorage, relative_path: Any) -> None:

@@ -199,3 +199,26 @@ def failure_of(exc: BaseException, kind: type[BaseException]) -> BaseException |
             todo.append(failure[0] if isinstance(failure, tuple) else failure)
         todo.extend([err.__cause__, err.__context__])
     return None
+
+
+def write_commit_record(path: Path, blob: bytes) -> None:
+    """Replace ``path``'s ``.metadata`` with ``blob`` as a consistent edit would (an attacker's,
+    a tool's): the manifest's checksum of the commit record is updated to match, so a reader
+    gets past it to the checks the test is about."""
+    import json
+
+    from crc32c import crc32c
+
+    from dcp_datastates.format import MANIFEST_CRC_FIELD, MANIFEST_NAME, METADATA_CRC_FIELD
+
+    (path / ".metadata").write_bytes(blob)
+    manifest = path / MANIFEST_NAME
+    if not manifest.exists():
+        return
+    body = json.loads(manifest.read_bytes())
+    body.pop(MANIFEST_CRC_FIELD)
+    body[METADATA_CRC_FIELD] = crc32c(blob)
+    body[MANIFEST_CRC_FIELD] = crc32c(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    )
+    manifest.write_text(json.dumps(body))

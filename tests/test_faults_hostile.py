@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import write_commit_record
 from crc32c import crc32c
 
 from dcp_datastates import DataStatesReader
@@ -51,7 +52,7 @@ def _edit_metadata(path: Path, **changes: Any) -> str:
     metadata = pickle.loads((path / METADATA_NAME).read_bytes())
     index = next(i for i in metadata.storage_data if i.fqn == "w")
     metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], **changes)
-    (path / METADATA_NAME).write_bytes(pickle.dumps(metadata))
+    write_commit_record(path, pickle.dumps(metadata))
     return index.fqn
 
 

@@ -28,6 +28,7 @@ from dcp_datastates.format import (
     FORMAT_VERSION,
     MANIFEST_CRC_FIELD,
     MANIFEST_NAME,
+    METADATA_CRC_FIELD,
     METADATA_NAME,
     decode_manifest,
 )
@@ -38,7 +39,7 @@ DATA_FILE = "__0_0.distcp"
 GOLDEN_TORCH = "2.13."
 #: Manifest fields that legitimately differ between machines or torch builds (the manifest's own
 #: checksum covers the torch version string).
-VOLATILE = ("torch", MANIFEST_CRC_FIELD)
+VOLATILE = ("torch", MANIFEST_CRC_FIELD, METADATA_CRC_FIELD)
 
 
 def golden_state() -> dict[str, Any]:
@@ -93,6 +94,13 @@ def test_the_manifest_carries_its_own_checksum(saved: Path) -> None:
     crc = body.pop(MANIFEST_CRC_FIELD)
     assert crc == crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
     assert decode_manifest(blob)  # and the reader accepts it
+
+
+def test_the_manifest_holds_the_checksum_of_the_commit_record(saved: Path) -> None:
+    """``.metadata`` carries paths and a save id, so its bytes differ per save: not golden, but
+    the manifest must hold their CRC-32C (a reader checks it before unpickling)."""
+    body = json.loads((saved / MANIFEST_NAME).read_bytes())
+    assert body[METADATA_CRC_FIELD] == crc32c((saved / METADATA_NAME).read_bytes())
 
 
 def test_an_indented_manifest_of_earlier_versions_reads_the_same(saved: Path) -> None:
@@ -151,6 +159,7 @@ def test_the_manifest_text_is_json_canonical_bytes_for_any_names(
         _canonical,
         _canonical_manifest,
         _manifest_body,
+        decode_manifest_full,
         encode_manifest,
         manifest_key,
     )
@@ -170,15 +179,18 @@ def test_the_manifest_text_is_json_canonical_bytes_for_any_names(
     }
     from dcp_datastates import format as format_module
 
-    for world_size, torch_version in ((1, "2.13.0+cpu"), (16, 'v"1\u00e9')):
-        body = _manifest_body(entries, world_size=world_size, torch_version=torch_version)
-        expected = _canonical(body)
+    for world_size, torch_version, meta_crc in (
+        (1, "2.13.0+cpu", None),
+        (16, 'v"1\u00e9', 2**32 - 1),
+    ):
+        kw = {"world_size": world_size, "torch_version": torch_version, "metadata_crc32c": meta_crc}
+        expected = _canonical(_manifest_body(entries, **kw))
         with monkeypatch.context() as m:  # the direct text, not json's path
             m.setattr(format_module, "_canonical", None)
-            ours = _canonical_manifest(entries, world_size=world_size, torch_version=torch_version)
+            ours = _canonical_manifest(entries, **kw)
         assert ours == expected
-        blob = encode_manifest(entries, world_size=world_size, torch_version=torch_version)
-        assert decode_manifest(blob) == entries
+        blob = encode_manifest(entries, **kw)
+        assert decode_manifest_full(blob) == (entries, meta_crc)
     assert _canonical_manifest({}, world_size=1, torch_version="x") == _canonical(
         _manifest_body({}, world_size=1, torch_version="x")
     )

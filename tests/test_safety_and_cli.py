@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_same_state, blank_like, failure_of
+from conftest import assert_same_state, blank_like, failure_of, write_commit_record
+from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_datastates import DataStatesReader
 from dcp_datastates.errors import ChecksumMismatchError, UnsafeCheckpointError
@@ -54,7 +55,7 @@ def ckpt(tmp_path: Path, make_writer: Any) -> Path:
 def _rewrite_metadata(path: Path, edit: Any) -> None:
     metadata = pickle.loads((path / METADATA_NAME).read_bytes())
     edit(metadata)
-    (path / METADATA_NAME).write_bytes(pickle.dumps(metadata))
+    write_commit_record(path, pickle.dumps(metadata))
 
 
 def _move_first_record(path: Path, relative_path: str) -> None:
@@ -74,7 +75,7 @@ def _load(path: Path, **reader_options: Any) -> dict[str, Any]:
 
 def test_hostile_metadata_is_refused_without_running_it(ckpt: Path, tmp_path: Path) -> None:
     marker = tmp_path / "marker"
-    (ckpt / METADATA_NAME).write_bytes(pickle.dumps(Pwn(marker)))
+    write_commit_record(ckpt, pickle.dumps(Pwn(marker)))
     with pytest.raises(UnsafeCheckpointError) as raised:
         DataStatesReader(ckpt).read_metadata()
     assert "system" in str(raised.value) and "trusted=True" in str(raised.value)
@@ -116,6 +117,31 @@ def test_record_past_the_end_of_its_file_is_refused(ckpt: Path) -> None:
     data.write_bytes(data.read_bytes()[:-10])
     with pytest.raises(ChecksumMismatchError, match="truncated"):
         DataStatesReader(ckpt).read_metadata()
+
+
+def test_a_damaged_metadata_file_fails_naming_it_whatever_the_damage(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """One flipped byte anywhere in ``.metadata``: refused by its checksum in the manifest
+    before it is unpickled (a damaged pickle raised UnicodeDecodeError, UnpicklingError,
+    AttributeError naming nothing, and a flip that made a memo index of ~10^9 allocated
+    gigabytes for a minute). A stock checkpoint's (no manifest) fails with our error too."""
+    original = (ckpt / METADATA_NAME).read_bytes()
+    for at in range(len(original)):
+        damaged = bytearray(original)
+        damaged[at] ^= 0x5A
+        (ckpt / METADATA_NAME).write_bytes(bytes(damaged))
+        with pytest.raises(ChecksumMismatchError, match=r"\.metadata has crc32c"):
+            DataStatesReader(ckpt).read_metadata()
+    (ckpt / METADATA_NAME).write_bytes(original)
+    assert DataStatesReader(ckpt).read_metadata().storage_data
+
+    stock = tmp_path / "stock"
+    dcp.save(_state(), storage_writer=FileSystemWriter(stock), no_dist=True)
+    whole = (stock / METADATA_NAME).read_bytes()
+    (stock / METADATA_NAME).write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ChecksumMismatchError, match=r"\.metadata cannot be read"):
+        DataStatesReader(stock).read_metadata()
 
 
 def test_safe_load_reads_our_checkpoints_and_stock_ones(ckpt: Path, tmp_path: Path) -> None:
@@ -204,3 +230,27 @@ def test_cli_verify_exit_codes_say_ok_damaged_or_not_committed(
     assert truncated.returncode == 1 and "truncated" in truncated.stdout
     assert uncommitted.returncode == 2 and "NOT COMMITTED" in uncommitted.stdout
     assert inspect_uncommitted.returncode == 2
+
+
+def test_cli_verify_checks_the_commit_record_against_the_manifest(ckpt: Path) -> None:
+    blob = bytearray((ckpt / METADATA_NAME).read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    (ckpt / METADATA_NAME).write_bytes(bytes(blob))
+    (verify,) = _cli(("verify", ckpt))
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    assert "DAMAGED" in verify.stdout and METADATA_NAME in verify.stdout
+
+
+def test_cli_says_when_there_is_no_checkpoint_at_all(tmp_path: Path) -> None:
+    """A path that does not exist, or a file, is not an unfinished save."""
+    (tmp_path / "a_file").write_text("not a checkpoint")
+    missing, a_file, inspect_missing = _cli(
+        ("verify", tmp_path / "nope"),
+        ("verify", tmp_path / "a_file"),
+        ("inspect", tmp_path / "nope"),
+    )
+    assert missing.returncode == 2 and "NO CHECKPOINT" in missing.stdout
+    assert "NOT COMMITTED" not in missing.stdout
+    assert a_file.returncode == 2 and "is a file" in a_file.stderr
+    assert "Traceback" not in a_file.stderr
+    assert inspect_missing.returncode == 2 and "NO CHECKPOINT" in inspect_missing.stdout
