@@ -12,7 +12,10 @@ Rules:
 - Retention (``keep_latest_k``) runs after that move and deletes only committed checkpoints older
   than the K newest; the one in flight is never among them (at most one save is in flight, and
   it is newer than every committed one). A checkpoint is deleted ``.metadata`` first, so a
-  half-deleted directory is never mistaken for a committed one.
+  half-deleted directory is never mistaken for a committed one. With retention on, a step
+  directory older than the newest commit that never committed (its save failed, or its process
+  died: a crash, a second signal) is deleted too; one newer than it is left (the step a resumed
+  run will save again).
 - Preemption: a signal (SIGTERM by default) or :meth:`Checkpointer.request_preemption` only sets
   a flag. At the next :meth:`Checkpointer.maybe_save` every rank agrees (one all-reduce) that a
   preemption is pending, finishes the save in flight, takes a final checkpoint of the current
@@ -240,6 +243,27 @@ class Checkpointer:
             logger.info("keep_latest_k=%d: deleting checkpoint %s", self.keep_latest_k, path)
             os.unlink(os.path.join(path, METADATA_NAME))  # uncommit first, then the data
             shutil.rmtree(path, ignore_errors=True)
+        for step in self._never_committed(before=newest):
+            path = os.path.join(self.root, step_dir_name(step))
+            logger.warning("deleting %s: its save never committed (it failed or died)", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _never_committed(self, *, before: int) -> list[int]:
+        """Step directories older than ``before`` without a commit record: no save is in flight
+        when retention runs, so these are saves that failed or whose process died."""
+        steps = []
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.root):
+                m = _STEP_DIR.match(name)
+                path = os.path.join(self.root, name)
+                if (
+                    m
+                    and int(m.group(1)) < before
+                    and os.path.isdir(path)
+                    and not os.path.exists(os.path.join(path, METADATA_NAME))
+                ):
+                    steps.append(int(m.group(1)))
+        return sorted(steps)
 
     # -- loading -------------------------------------------------------------------------------
     def latest_step(self) -> int | None:

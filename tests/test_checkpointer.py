@@ -51,6 +51,27 @@ def test_saves_every_n_keeps_k_and_resumes_bit_exactly(tmp_path: Path) -> None:
     assert digest(fresh) == digest(app)
 
 
+def test_retention_deletes_the_directories_of_saves_that_never_committed(tmp_path: Path) -> None:
+    """What a crash (SIGKILL, a second signal) leaves: a step directory with data and no
+    ``.metadata``. Retention deletes those older than the newest commit, and leaves a newer one
+    (the step a resumed run saves again) and anything not a step directory."""
+    for step, files in ((2, ["__0_0.distcp"]), (4, []), (50, ["__0_0.distcp"])):
+        (tmp_path / step_dir_name(step)).mkdir()
+        for name in files:
+            (tmp_path / step_dir_name(step) / name).write_bytes(b"partial")
+    (tmp_path / "notes").mkdir()
+    app = _app()
+    with Checkpointer(tmp_path, every_steps=3, keep_latest_k=2) as ck:
+        for step in range(1, 7):
+            train_step(app, step, 1)
+            ck.maybe_save(step, {"app": app})
+    assert ck.committed_steps() == [3, 6]
+    assert not (tmp_path / step_dir_name(2)).exists()
+    assert not (tmp_path / step_dir_name(4)).exists()
+    assert (tmp_path / step_dir_name(50) / "__0_0.distcp").exists()
+    assert (tmp_path / "notes").is_dir()
+
+
 def test_load_latest_without_checkpoint_returns_none(tmp_path: Path) -> None:
     app = _app()
     before = digest(app)
