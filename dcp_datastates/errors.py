@@ -44,7 +44,8 @@ def portable(exc: BaseException) -> BaseException:
 
 
 class InvalidStateDictError(DataStatesError, ValueError):
-    """The state dict cannot be checkpointed; raised at the call site, before any write."""
+    """The state dict cannot be checkpointed; raised at the call site, before any write (in a
+    save of several ranks, through every rank's future: the others would wait for this one)."""
 
 
 class SnapshotMutationError(DataStatesError):

@@ -68,7 +68,7 @@ from . import _dcp_private, localfile, path_turns
 from . import commit as _commit
 from .compat import lazy_staging_planner, stock_stage, writer_options
 from .dcp_future import RelayFuture
-from .errors import InvalidStateDictError, WriterUsageError
+from .errors import InvalidStateDictError, WriterClosedError, WriterUsageError
 from .format import metadata_name
 from .planner import (
     PLANNED_KEY,
@@ -140,6 +140,23 @@ class _Save:
     @functools.cached_property
     def storage(self) -> Storage:
         return storage_for(self.path, self.storage_options, direct=self.direct)
+
+
+def _fails_on_every_rank(error: Exception, call: _dcp_private.AsyncSaveCall) -> bool:
+    """Whether ``stage()`` hands ``error`` (about the state dict) to the save rather than raise
+    it: in a save whose ranks plan and commit together, where the other ranks would wait for
+    this one in DCP's collectives."""
+    if isinstance(error, (WriterClosedError, WriterUsageError)):
+        return False  # about the writer or the call: the same on every rank
+    if not call.found or call.no_dist or call.mode == "process":
+        return False
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return dist.get_world_size(call.process_group) > 1
+
+
+def _raise(error: BaseException) -> Any:
+    raise error
 
 
 @_dcp_private.no_synchronize_after_execute
@@ -321,7 +338,25 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     ) -> STATE_DICT_TYPE:
         """stage()'s snapshot: recorded for the planning thread, or planned here."""
         rank = stats.rank
-        captured = self._captures.capture(state_dict)
+        try:
+            captured = self._captures.capture(state_dict)
+            items = None if captured is not None else plan_providers(state_dict)
+        except Exception as exc:
+            if not _fails_on_every_rank(exc, call):
+                raise
+            # Raised here, on this rank only, the error would leave the other ranks' saves
+            # waiting in DCP's collectives for good: it fails this rank's save instead (its
+            # write_data raises it), which DCP reports to every rank.
+            logger.error("rank %d: the state cannot be saved; the save fails on every rank", rank)
+            session = self._runtime.stage_later(
+                functools.partial(_raise, exc),
+                (stats, turn),
+                rank=rank,
+                started=start,
+                expect_claim=True,
+            )
+            turn.dropped_with(session)
+            return state_dict
         staged: STATE_DICT_TYPE = state_dict
         if captured is not None:  # host tensors and plain values: plan on the planning thread
             if call.found and call.planner is None and not self._announced():
@@ -338,7 +373,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 after=functools.partial(self._captures.learn, captured),
             )
         else:
-            items = plan_providers(state_dict)
+            assert items is not None
             session = self._runtime.new_session(
                 items, rank, expected_bytes=_expected_write_bytes(items, call)
             )

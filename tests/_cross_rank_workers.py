@@ -8,6 +8,9 @@
                      how long that took.
     process-dtensor  several saves of DTensors through ``AsyncCheckpointerType.PROCESS``; after
                      each save rank 0 reports the checkpoint daemon's thread count and RSS.
+    call-error-MODE  rank 1's state holds a value that cannot be pickled (its save fails in
+                     ``stage()``), then every rank saves a good state; every rank reports
+                     whether its call raised, how its future failed and how long that took.
     replayed         one writer per rank, several saves of plain tensors (replicated ones and
                      one of this rank's own) that replay the first save's layout; one save
                      gives a tensor another shape of the same bytes. Each rank reports its
@@ -146,6 +149,59 @@ def _errors(mode: str, rank: int, world_size: int, port: int, workdir: Path) -> 
     return report
 
 
+class Unpicklable:
+    """A value ``stage()`` cannot serialize: on one rank, the save fails at the call there."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError(f"this value refuses to be pickled ({CAUSE})")
+
+
+def _call_error(mode: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter, async_save
+
+    _init(rank, world_size, port)
+    writer = DataStatesWriter(workdir)
+    report: dict[str, Any] = {}
+    for attempt in ("bad", "good"):
+        state = _rank_state(world_size)
+        if attempt == "bad" and rank == 1:
+            state["extra"] = Unpicklable()
+        path = str(workdir / attempt)
+        seen: dict[str, Any] = {"raised_at_call": None, "failed": False}
+        start = time.monotonic()
+        try:
+            if mode == "dcp":
+                upload = dcp.async_save(state, storage_writer=writer, checkpoint_id=path)
+            else:
+                upload = async_save(state, writer, checkpoint_id=path).upload_completion
+        except Exception as exc:
+            seen["raised_at_call"] = f"{type(exc).__name__}: {exc}"
+            upload = None
+        if upload is not None:
+            try:
+                upload.result(timeout=FUTURE_TIMEOUT_S)
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                failures = getattr(exc, "failures", None) or {}
+                seen.update(
+                    failed=True,
+                    type=type(exc).__name__,
+                    message=str(exc),
+                    failed_ranks=sorted(int(r) for r in failures),
+                )
+        seen["seconds"] = time.monotonic() - start
+        report[attempt] = seen
+        print(f"rank {rank}: {attempt}: {seen}", flush=True)
+        if seen["raised_at_call"] or seen.get("type") == "TimeoutError":
+            return report  # the ranks no longer agree on their collectives: stop here
+        dist.barrier()
+    writer.close()
+    dist.destroy_process_group()
+    return report
+
+
 def _daemon_figures() -> dict[str, int]:
     """Threads and RSS of DCP's checkpoint daemon (this process's one multiprocessing child)."""
     import multiprocessing
@@ -272,6 +328,8 @@ def launch_ranks(
 def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
     if scenario.startswith("errors-"):
         return _errors(scenario[7:], rank, world_size, port, workdir)
+    if scenario.startswith("call-error-"):
+        return _call_error(scenario[11:], rank, world_size, port, workdir)
     if scenario == "process-dtensor":
         return _process_dtensor(rank, world_size, port, workdir)
     if scenario == "replayed":

@@ -85,3 +85,27 @@ def test_each_error_kind_on_one_rank_fails_every_rank_naming_that_rank_and_the_c
             assert CAUSE in seen["cause_messages"]["1"] and CAUSE in seen["message"], where
             assert "rank 1" in seen["message"].lower(), where
             assert seen["seconds"] < BOUNDED_S, f"{where}: took {seen['seconds']:.1f}s"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "mode", ["ours", "dcp"], ids=["dcp_datastates.async_save", "dcp.async_save"]
+)
+def test_a_state_one_rank_cannot_stage_fails_the_save_on_every_rank(
+    tmp_path: Path, mode: str
+) -> None:
+    """Rank 1's state holds a value that cannot be pickled. Raised by ``stage()`` on rank 1
+    alone, the error left rank 0's save waiting in DCP's collective for good (as stock does);
+    it now fails rank 1's save, which DCP reports to every rank, and the next save works."""
+    results = launch_ranks(f"call-error-{mode}", tmp_path, timeout=140)
+    check_all_ok(results)
+    for r in results:
+        bad, good = r.report["bad"], r.report.get("good")
+        where = f"rank {r.rank}"
+        assert bad["raised_at_call"] is None, f"{where}: {bad['raised_at_call']}"
+        assert bad["failed"] and bad["type"] != "TimeoutError", f"{where}: {bad}"
+        assert CAUSE in bad["message"] and "pickled" in bad["message"], f"{where}: {bad}"
+        assert bad["failed_ranks"] == [1], f"{where}: {bad}"
+        assert bad["seconds"] < BOUNDED_S, f"{where}: {bad['seconds']:.1f}s"
+        assert good is not None and not good["failed"], f"{where}: {good}"
