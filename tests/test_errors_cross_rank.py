@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,14 @@ from _dist_workers import check_all_ok
 from _faults_util import BOUNDED_S
 
 from dcp_datastates import errors
+
+
+#: Two gloo ranks, through ``dcp_datastates.async_save`` ("ours") and ``dcp.async_save``.
+def two_ranks_both_apis(test: Callable[..., None]) -> Callable[..., None]:
+    test = pytest.mark.parametrize(
+        "mode", ["ours", "dcp"], ids=["dcp_datastates.async_save", "dcp.async_save"]
+    )(test)
+    return pytest.mark.multiprocess(pytest.mark.timeout(150)(test))
 
 
 def _public_error_types() -> set[str]:
@@ -61,11 +70,7 @@ def test_an_error_that_cannot_be_unpickled_is_made_portable_keeping_its_cause() 
     assert errors.portable(ours) is ours
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize(
-    "mode", ["ours", "dcp"], ids=["dcp_datastates.async_save", "dcp.async_save"]
-)
+@two_ranks_both_apis
 def test_each_error_kind_on_one_rank_fails_every_rank_naming_that_rank_and_the_cause(
     tmp_path: Path, mode: str
 ) -> None:
@@ -87,11 +92,7 @@ def test_each_error_kind_on_one_rank_fails_every_rank_naming_that_rank_and_the_c
             assert seen["seconds"] < BOUNDED_S, f"{where}: took {seen['seconds']:.1f}s"
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize(
-    "mode", ["ours", "dcp"], ids=["dcp_datastates.async_save", "dcp.async_save"]
-)
+@two_ranks_both_apis
 def test_a_state_one_rank_cannot_stage_fails_the_save_on_every_rank(
     tmp_path: Path, mode: str
 ) -> None:
