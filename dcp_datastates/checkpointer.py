@@ -224,15 +224,20 @@ class Checkpointer:
             raise exc
 
     # -- retention -----------------------------------------------------------------------------
-    def committed_steps(self) -> list[int]:
-        """Steps of the committed checkpoints under ``root``, oldest first."""
-        steps = []
+    def _step_dirs(self) -> dict[int, bool]:
+        """Step directories under ``root``: step -> whether it is committed."""
+        steps = {}
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.root):
                 m = _STEP_DIR.match(name)
-                if m and os.path.exists(os.path.join(self.root, name, METADATA_NAME)):
-                    steps.append(int(m.group(1)))
-        return sorted(steps)
+                if m and os.path.isdir(os.path.join(self.root, name)):
+                    committed = os.path.exists(os.path.join(self.root, name, METADATA_NAME))
+                    steps[int(m.group(1))] = committed
+        return steps
+
+    def committed_steps(self) -> list[int]:
+        """Steps of the committed checkpoints under ``root``, oldest first."""
+        return sorted(step for step, committed in self._step_dirs().items() if committed)
 
     def _purge(self, newest: int) -> None:
         if self.keep_latest_k == 0:
@@ -243,27 +248,13 @@ class Checkpointer:
             logger.info("keep_latest_k=%d: deleting checkpoint %s", self.keep_latest_k, path)
             os.unlink(os.path.join(path, METADATA_NAME))  # uncommit first, then the data
             shutil.rmtree(path, ignore_errors=True)
-        for step in self._never_committed(before=newest):
-            path = os.path.join(self.root, step_dir_name(step))
-            logger.warning("deleting %s: its save never committed (it failed or died)", path)
-            shutil.rmtree(path, ignore_errors=True)
-
-    def _never_committed(self, *, before: int) -> list[int]:
-        """Step directories older than ``before`` without a commit record: no save is in flight
-        when retention runs, so these are saves that failed or whose process died."""
-        steps = []
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(self.root):
-                m = _STEP_DIR.match(name)
-                path = os.path.join(self.root, name)
-                if (
-                    m
-                    and int(m.group(1)) < before
-                    and os.path.isdir(path)
-                    and not os.path.exists(os.path.join(path, METADATA_NAME))
-                ):
-                    steps.append(int(m.group(1)))
-        return sorted(steps)
+        # Older than the newest commit and never committed: no save is in flight when retention
+        # runs, so these saves failed or their process died.
+        for step, committed in sorted(self._step_dirs().items()):
+            if step < newest and not committed:
+                path = os.path.join(self.root, step_dir_name(step))
+                logger.warning("deleting %s: its save never committed (it failed or died)", path)
+                shutil.rmtree(path, ignore_errors=True)
 
     # -- loading -------------------------------------------------------------------------------
     def latest_step(self) -> int | None:

@@ -34,6 +34,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 RECHECK_S = 0.05
+#: Directories kept in line before ``take`` sweeps those whose saves all ended (a save that
+#: ends with its thread never says so; without the sweep every new path would stay listed).
+SWEEP_AT = 64
 
 _changed = threading.Condition()
 _order = itertools.count()
@@ -110,10 +113,13 @@ class Turn:
 def take(path: str | os.PathLike) -> Turn:
     """A turn for a save to ``path`` called now, after the saves already in line."""
     turn = Turn(directory_key(path))
-    with _changed:
-        for key in [k for k, line in _turns.items() if all(t.over() for t in line)]:
-            del _turns[key]  # saves to other directories that ended since
-        _turns.setdefault(turn.key, []).append(turn)
+    with _changed:  # on the caller's thread (stage()): its own line only, but now and then
+        if len(_turns) > SWEEP_AT:
+            for key in [k for k, line in _turns.items() if all(t.over() for t in line)]:
+                del _turns[key]
+        line = _turns.setdefault(turn.key, [])
+        line[:] = [t for t in line if not t.over()]
+        line.append(turn)
     return turn
 
 

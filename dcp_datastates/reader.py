@@ -148,9 +148,10 @@ class DataStatesReader(StorageReader):
             self.manifest = None  # a manifest of another commit record
         self._metadata_rank = rank
         self._load_manifest()  # first: it holds the commit record's checksum
-        if self._metadata_crc is not None and self.verify and crc32c(blob) != self._metadata_crc:
+        got = crc32c(blob) if self._metadata_crc is not None and self.verify else None
+        if got is not None and got != self._metadata_crc:
             raise ChecksumMismatchError(
-                f"{self.storage.describe(name)} has crc32c {crc32c(blob):#010x}, but the "
+                f"{self.storage.describe(name)} has crc32c {got:#010x}, but the "
                 f"manifest was committed with {self._metadata_crc:#010x}; the checkpoint is "
                 "damaged: load an earlier one"
             )

@@ -98,18 +98,17 @@ def _check_fields(metadata: Metadata, where: str) -> None:
     (a field's name changed, a number read as a string): refuse it here, by name, rather than
     fail later on an attribute."""
     try:
-        fields_ok = isinstance(metadata.state_dict_metadata, dict) and isinstance(
-            metadata.storage_data, (dict, type(None))
-        )
-        for index, info in (metadata.storage_data or {}).items() if fields_ok else ():
-            if not (
+        fields_ok = (
+            isinstance(metadata.state_dict_metadata, dict)
+            and isinstance(metadata.storage_data, (dict, type(None)))
+            and all(
                 isinstance(index.fqn, str)
                 and isinstance(info.relative_path, str)
                 and type(info.offset) is int
                 and type(info.length) is int
-            ):
-                fields_ok = False
-                break
+                for index, info in (metadata.storage_data or {}).items()
+            )
+        )
     except AttributeError:
         fields_ok = False
     if not fields_ok:

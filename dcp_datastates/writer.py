@@ -117,8 +117,11 @@ def _refuse_file_target(path: str | os.PathLike) -> None:
 class _Save:
     """Per-save state, held thread-locally on the thread DCP runs the save on."""
 
-    def __init__(self, path: str, storage_options: Any = None, *, direct: bool = True) -> None:
+    def __init__(
+        self, path: str, turn: path_turns.Turn, storage_options: Any = None, *, direct: bool = True
+    ) -> None:
         self.path = path
+        self.turn = turn  # its place among saves to its directory (path_turns.py)
         self.storage_options = storage_options
         self.direct = direct
         self.rank = _current_rank()
@@ -130,7 +133,6 @@ class _Save:
         self.started = time.monotonic()
         self.synchronous = False  # a plain dcp.save: no stage(), the caller waits throughout
         self.done = False  # this rank will make no more writer calls for this save
-        self.turn: path_turns.Turn | None = None  # its place among saves to its directory
 
     @property
     def commit_rank(self) -> int | None:
@@ -347,7 +349,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             # Raised here, on this rank only, the error would leave the other ranks' saves
             # waiting in DCP's collectives for good: it fails this rank's save instead (its
             # write_data raises it), which DCP reports to every rank.
-            logger.error("rank %d: the state cannot be saved; the save fails on every rank", rank)
+            logger.error(
+                "rank %d: the state cannot be saved (%s: %s); the save fails on every rank",
+                rank,
+                type(exc).__name__,
+                exc,
+            )
             session = self._runtime.stage_later(
                 functools.partial(_raise, exc),
                 (stats, turn),
@@ -504,15 +511,17 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         claimed = self._runtime.claim()
         if claimed is None:
             self._runtime.check_open()  # a closed writer finishes staged saves, starts none
-        save = self._local.save = _Save(
-            path, self.options.storage_options, direct=self.options.direct_writes
-        )
-        turn = None
+        session = stats = None
         if claimed is not None:
             session, (stats, turn) = claimed
+        else:
+            turn = path_turns.take(path)  # a plain dcp.save takes its turn here
+        turn.run_here()
+        save = self._local.save = _Save(
+            path, turn, self.options.storage_options, direct=self.options.direct_writes
+        )
+        if session is not None:
             save.session, save.stats, save.started = session, stats, session.created
-        save.turn = turn if turn is not None else path_turns.take(path)
-        save.turn.run_here()
         return save
 
     @staticmethod
@@ -565,8 +574,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         save = self._save()
-        if save.turn is not None:  # earlier saves to this directory end first (path_turns.py)
-            save.turn.wait(save.storage.describe("").rstrip("/"))
+        save.turn.wait(save.storage.describe("").rstrip("/"))  # earlier saves to it end first
         save.storage.makedirs()
         if is_planned_elsewhere(plan):
             plan = self._writers_plan(save, plan)

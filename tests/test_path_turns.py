@@ -7,6 +7,8 @@ its checksums)."""
 
 from __future__ import annotations
 
+import gc
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import EVENT_TIMEOUT_S, assert_same_state, load_like
 
-from dcp_datastates import DataStatesWriter, async_save
+from dcp_datastates import DataStatesWriter, async_save, path_turns
 from dcp_datastates.format import METADATA_NAME
 from dcp_datastates.path_turns import directory_key
 
@@ -55,6 +57,26 @@ def test_overlapping_saves_to_one_path_all_commit_and_the_last_call_wins(
         writer.close()
     assert_same_state(expected[-1], load_like(path, expected[-1], "ours"))
     assert_same_state(expected[-1], load_like(path, expected[-1], "stock"))
+
+
+def test_overlapping_saves_of_writers_made_per_save_and_dropped_take_turns(
+    tmp_path: Path,
+) -> None:
+    """DCP's idiom, a new writer per save, never closed: turns are the process's, not a
+    writer's, so their saves to one path take turns too."""
+    path = tmp_path / "latest"
+    sds = states(3)
+    expected = copies(sds)
+    futures = [
+        dcp.async_save(
+            sd, storage_writer=DataStatesWriter(tmp_path / "w"), checkpoint_id=path, no_dist=True
+        )
+        for sd in sds
+    ]
+    for future in futures:
+        future.result(timeout=EVENT_TIMEOUT_S)
+    gc.collect()
+    assert_same_state(expected[-1], load_like(path, expected[-1], "ours"))
 
 
 def test_a_plain_save_after_an_async_one_to_the_same_path_waits_for_it(tmp_path: Path) -> None:
@@ -109,3 +131,15 @@ def test_a_directory_is_one_key_however_it_is_spelled(tmp_path: Path, monkeypatc
     assert same == {str(tmp_path / "ckpt")}
     assert directory_key("s3://bucket/run/") == directory_key("s3://bucket/run")
     assert directory_key("s3://bucket/run") != directory_key("s3://bucket/run2")
+
+
+def test_the_line_of_directories_stays_bounded_when_saves_end_with_their_threads() -> None:
+    """A save that ends with its thread never leaves its line: ``take`` sweeps such lines once
+    there are more than ``SWEEP_AT`` directories, so a run saving to a new path each time does
+    not keep one entry per path."""
+    ended = threading.Thread(target=lambda: None)
+    ended.start()
+    ended.join()
+    for i in range(3 * path_turns.SWEEP_AT):
+        path_turns.take(f"/nonexistent/step_{i}").owner = ended  # over: its thread ended
+        assert len(path_turns._turns) <= path_turns.SWEEP_AT + 1
