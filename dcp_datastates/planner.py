@@ -20,6 +20,7 @@ from .providers import (
     has_registered_provider,
     provider_for,
 )
+from .providers.tensor import is_dense, not_dense_error
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -142,12 +143,36 @@ def plan_providers(
     planner = DataStatesSavePlanner()
     planner.versions = versions
     planner.private = private
-    planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=False)
-    if previous is not None and replans_to(previous, planner):
-        planner.plan = plan = previous
-    else:
-        plan = planner.create_local_plan()
+    try:
+        planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=False)
+        if previous is not None and replans_to(previous, planner):
+            planner.plan = plan = previous
+        else:
+            plan = planner.create_local_plan()
+    except Exception as exc:
+        # DCP's planning fails on some tensors (a nested one has no sizes) with an error that
+        # names no item: name it, if that is the cause (looked for only then).
+        culprit = _first_not_dense(state_dict, "")
+        if culprit is None:
+            raise
+        raise not_dense_error(*culprit) from exc
     return PlannedItems([(item, planner.provider(item)) for item in plan.items], plan)
+
+
+def _first_not_dense(value: Any, fqn: str) -> tuple[str, torch.Tensor] | None:
+    """``(fqn, tensor)`` of the first tensor in ``value`` that ``is_dense`` refuses."""
+    if isinstance(value, torch.Tensor):
+        return None if is_dense(value) else (fqn, value)
+    children: Any = ()
+    if isinstance(value, Mapping):
+        children = value.items()
+    elif isinstance(value, (list, tuple)):
+        children = enumerate(value)
+    for key, child in children:
+        found = _first_not_dense(child, f"{fqn}.{key}" if fqn else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def replans_to(plan: SavePlan, planner: DefaultSavePlanner) -> bool:

@@ -25,6 +25,40 @@ LIVE_MIN_BYTES = 1 << 20
 _live_lock = threading.Condition(threading.Lock())
 
 
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements are its storage's bytes at its strides: not sparse, not
+    quantized (scales and zero points beside the bytes), not nested, not MKL-DNN."""
+    return tensor.layout is torch.strided and not (tensor.is_quantized or tensor.is_nested)
+
+
+def not_dense_error(fqn: str, tensor: torch.Tensor) -> InvalidStateDictError:
+    return InvalidStateDictError(
+        f"item {fqn!r} is a {_layout_of(tensor)} tensor, whose bytes this writer cannot copy "
+        f"raw; save {_dense_hint(tensor)} instead, or register a provider for it with "
+        "dcp_datastates.register_provider"
+    )
+
+
+def _layout_of(tensor: torch.Tensor) -> str:
+    if tensor.is_quantized:
+        return f"quantized ({tensor.qscheme()})"
+    if tensor.is_nested:
+        return "nested"
+    return f"{tensor.layout} layout".removeprefix("torch.")
+
+
+def _dense_hint(tensor: torch.Tensor) -> str:
+    if tensor.is_quantized:
+        return "tensor.dequantize(), or its int_repr() with its scales and zero points"
+    if tensor.is_nested:
+        return "its components (tensor.unbind()) or tensor.to_padded_tensor(0.0)"
+    if tensor.layout in (torch.sparse_coo, torch._mkldnn):  # type: ignore[attr-defined]
+        return "tensor.to_dense()" + (
+            ", or its indices() and values()" if tensor.layout is torch.sparse_coo else ""
+        )
+    return "tensor.to_dense(), or its compressed indices and values"
+
+
 class TensorProvider:
     """Provider for a plain tensor (or one local chunk of a distributed tensor).
 
@@ -41,6 +75,8 @@ class TensorProvider:
                 "copy raw; convert it to a plain tensor (or a DTensor) before saving, or register "
                 "a provider for it with dcp_datastates.register_provider"
             )
+        if not is_dense(tensor):
+            raise not_dense_error(fqn, tensor)
         if tensor.is_conj() or tensor.is_neg():
             tensor = tensor.resolve_conj().resolve_neg()
         self.fqn = fqn

@@ -12,12 +12,13 @@ has to run while the caller waits, provided the caller's thread records what the
   may update in place before the optimizer step that the guard holds back.
 
 The walk costs about a microsecond per tensor. It declines (returns ``None``: the caller plans as
-before) for what it cannot record this way: a tensor that is not a plain CPU tensor or a DTensor
-with a CPU local tensor (a device tensor needs the device gate recorded on the caller's streams;
-other subclasses are resolved by DCP), an object that is not an immutable scalar (it is
-serialized on the caller, as before), a key other than a string or an int
-(``check_state_dict`` refuses it on the caller's path), any provider the user registered
-(it may claim any type), or a copy device chosen for this thread (``device.use_device``).
+before) for what it cannot record this way: a tensor that is not a plain dense CPU tensor or a
+DTensor with a CPU local tensor (a device tensor needs the device gate recorded on the caller's
+streams; other subclasses are resolved by DCP, other layouts refused naming the item), an
+object that is not an immutable scalar (it is serialized on the caller, as before), a key other
+than a string or an int (``check_state_dict`` refuses it on the caller's path), any provider the
+user registered (it may claim any type), or a copy device chosen for this thread
+(``device.use_device``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..providers import _REGISTRY
 from .device import chosen
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
 _SCALARS = (int, float, bool, str, bytes, complex, type(None))
 
 
@@ -146,7 +148,9 @@ class _Walker:
             if type(key) is not str and (type(key) is not int or str(key) in value):
                 raise _Decline  # a key DCP may not take back: check_state_dict says why
             if type(item) in _PLAIN:  # the common case, inlined: about a microsecond
-                if not item.is_cpu:
+                if not item.is_cpu or item.layout is not _STRIDED or item.is_quantized:
+                    raise _Decline  # (on the caller's path, TensorProvider says why)
+                if item.is_nested:
                     raise _Decline
                 if eager:
                     nbytes = item.nbytes
