@@ -36,6 +36,7 @@ from .format import (
     METADATA_NAME,
     RecordInfo,
     decode_manifest,
+    has_manifest,
     manifest_key,
     manifest_name,
     metadata_name,
@@ -228,7 +229,9 @@ def _verify(
         if isinstance(expected, int) and crc32c(blob) != expected:
             print(
                 f"{args.path}{_of(rank)}: DAMAGED: {meta} has crc32c {crc32c(blob):#010x}, the "
-                f"manifest expects {expected:#010x}"
+                f"manifest expects {expected:#010x} (if another writer, such as stock "
+                f"FileSystemWriter, saved over a checkpoint of ours, the manifest is its "
+                f"leftover: remove {manifest_name(rank)})"
             )
             return EXIT_DAMAGED
         where = storage.describe(meta)
@@ -238,6 +241,13 @@ def _verify(
                 check_relative_path(storage, info.relative_path)
     except (DataStatesError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_DAMAGED
+    if head is None and has_manifest(metadata):
+        print(
+            f"{args.path}{_of(rank)}: DAMAGED: no {manifest_name(rank)}, but {meta} was "
+            "committed by dcp_datastates with it: the records' checksums are lost (restore it "
+            "from where the checkpoint was copied)"
+        )
         return EXIT_DAMAGED
     if head is None:
         print(

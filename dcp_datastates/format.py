@@ -13,6 +13,7 @@ import functools
 import json
 import re
 import struct
+import uuid
 from dataclasses import dataclass, fields
 from json.encoder import encode_basestring_ascii
 from typing import Any
@@ -141,6 +142,22 @@ MANIFEST_CRC_FIELD = "manifest_crc32c"
 #: CRC-32C of the commit record (``.metadata``) the manifest was written with: a reader checks
 #: the bytes before it unpickles them. Optional (manifests before it have none).
 METADATA_CRC_FIELD = "metadata_crc32c"
+
+#: How our writer's ``StorageMeta.save_id`` starts (an opaque string to stock DCP, which makes a
+#: bare UUID): a ``.metadata`` that carries it was committed after its manifest, so a reader
+#: that finds no manifest beside it knows the manifest was lost, not that stock DCP wrote it.
+SAVE_ID_PREFIX = f"{FORMAT_NAME}:"
+
+
+def new_save_id() -> str:
+    """A save's ``StorageMeta.save_id``: unique, and saying that a manifest was committed."""
+    return f"{SAVE_ID_PREFIX}{uuid.uuid4()}"
+
+
+def has_manifest(metadata: Any) -> bool:
+    """Whether ``metadata`` (DCP's ``Metadata``) was committed by our writer, with a manifest."""
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    return isinstance(save_id, str) and save_id.startswith(SAVE_ID_PREFIX)
 
 
 def _canonical(body: dict[str, Any]) -> bytes:

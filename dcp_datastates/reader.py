@@ -46,6 +46,7 @@ from .format import (
     METADATA_NAME,
     RecordInfo,
     decode_manifest_full,
+    has_manifest,
     manifest_key,
     manifest_name,
     metadata_name,
@@ -115,6 +116,7 @@ class DataStatesReader(StorageReader):
         self.metadata: Metadata | None = None
         self.manifest: dict[str, RecordInfo] | None = None
         self._metadata_crc: int | None = None  # the manifest's checksum of the commit record
+        self._manifest_missing = False  # no manifest file (stock DCP's, or ours lost it)
         self._checked: Metadata | None = None
         self._metadata_rank: int | None = None  # whose __{rank}.metadata was read; None: global
         self.load_id = str(uuid.uuid4())  # a new one per load, as stock FileSystemReader
@@ -150,10 +152,13 @@ class DataStatesReader(StorageReader):
         self._load_manifest()  # first: it holds the commit record's checksum
         got = crc32c(blob) if self._metadata_crc is not None and self.verify else None
         if got is not None and got != self._metadata_crc:
+            manifest = self.storage.describe(manifest_name(rank))
             raise ChecksumMismatchError(
                 f"{self.storage.describe(name)} has crc32c {got:#010x}, but the "
                 f"manifest was committed with {self._metadata_crc:#010x}; the checkpoint is "
-                "damaged: load an earlier one"
+                "damaged: load an earlier one. (Or another writer, such as stock "
+                "FileSystemWriter, saved over a checkpoint of ours and left its manifest: "
+                f"then remove {manifest}, which does not belong to this save)"
             )
         if self.trusted:
             metadata: Metadata = pickle.loads(blob)
@@ -171,6 +176,7 @@ class DataStatesReader(StorageReader):
         if self.metadata is None or self._checked is self.metadata:
             return
         self._load_manifest()
+        self._check_manifest_found()
         self._check_layout()
         self._check_manifest_matches_metadata()
         self._checked = self.metadata
@@ -180,7 +186,8 @@ class DataStatesReader(StorageReader):
             return
         self._metadata_crc = None
         name = manifest_name(self._metadata_rank)
-        if not self.storage.exists(name):
+        self._manifest_missing = not self.storage.exists(name)
+        if self._manifest_missing:
             logger.info("%s has no manifest (stock DCP): nothing to verify", self.path)
             return
         with self.storage.open_read(name) as f:
@@ -193,6 +200,25 @@ class DataStatesReader(StorageReader):
             if self.verify:
                 raise
             logger.warning("verify=False: reading without the manifest, unverified: %s", exc)
+
+    def _check_manifest_found(self) -> None:
+        """A commit record of our writer with no manifest beside it lost its manifest (a copy
+        that skipped it, a deletion): reading it as stock DCP's would load it unverified."""
+        if self.manifest is not None or not has_manifest(self.metadata):
+            return
+        if self._manifest_missing:  # (a damaged one was refused, or warned about)
+            name = manifest_name(self._metadata_rank)
+            message = (
+                f"{self.storage.describe(name)} is missing, but "
+                f"{metadata_name(self._metadata_rank)} was committed by dcp_datastates with "
+                "it: the records' checksums are lost"
+            )
+            if self.verify:
+                raise ChecksumMismatchError(
+                    f"{message}. Restore the manifest from where the checkpoint was copied, or "
+                    "load it unverified with DataStatesReader(path, verify=False)"
+                )
+            logger.warning("verify=False: reading unverified: %s", message)
 
     def _check_manifest_matches_metadata(self) -> None:
         """Every item in ``.metadata`` has the manifest entry for the same record: an item the

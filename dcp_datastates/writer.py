@@ -51,7 +51,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -69,7 +68,7 @@ from . import commit as _commit
 from .compat import lazy_staging_planner, stock_stage, writer_options
 from .dcp_future import RelayFuture
 from .errors import InvalidStateDictError, WriterClosedError, WriterUsageError
-from .format import metadata_name
+from .format import metadata_name, new_save_id
 from .planner import (
     PLANNED_KEY,
     GlobalPlanMemo,
@@ -127,7 +126,8 @@ class _Save:
         self.rank = _current_rank()
         self.is_coordinator = True
         self.use_collectives = True
-        self.save_id = str(uuid.uuid4())  # StorageMeta.save_id, as stock writers make one
+        # StorageMeta.save_id, as stock writers make one; ours says a manifest was committed.
+        self.save_id = new_save_id()
         self.session: SnapshotSession | None = None
         self.stats: SaveStats | None = None
         self.started = time.monotonic()

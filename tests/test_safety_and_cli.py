@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import assert_same_state, blank_like, failure_of, write_commit_record
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from dcp_datastates import DataStatesReader
 from dcp_datastates.errors import ChecksumMismatchError, UnsafeCheckpointError
@@ -239,6 +240,49 @@ def test_cli_verify_checks_the_commit_record_against_the_manifest(ckpt: Path) ->
     (verify,) = _cli(("verify", ckpt))
     assert verify.returncode == 1, verify.stdout + verify.stderr
     assert "DAMAGED" in verify.stdout and METADATA_NAME in verify.stdout
+
+
+def test_a_lost_manifest_is_refused_not_read_as_a_stock_checkpoint(
+    ckpt: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A copy that took ``.metadata`` and the data files but not the manifest (a user sweep:
+    the reader took it for stock DCP's and loaded it unverified, silently). Our ``.metadata``
+    says a manifest was committed with it; a stock checkpoint's does not."""
+    (ckpt / MANIFEST_NAME).unlink()
+    with pytest.raises(ChecksumMismatchError, match=r"\.datastates\.json is missing") as raised:
+        DataStatesReader(ckpt).read_metadata()
+    assert "verify=False" in str(raised.value)
+    with pytest.raises(BaseException) as raised:  # DCP's error quotes what read_metadata raised
+        _load(ckpt)
+    assert ".datastates.json is missing" in str(raised.value)
+    with caplog.at_level(logging.WARNING, logger="dcp_datastates.reader"):
+        assert_same_state(_state(), _load(ckpt, verify=False))
+    assert any("checksums are lost" in r.getMessage() for r in caplog.records)
+    stock_target = blank_like(_state())  # stock DCP still reads it (the mark is a save_id)
+    dcp.load(stock_target, storage_reader=FileSystemReader(ckpt), no_dist=True)
+    assert_same_state(_state(), stock_target)
+
+    stock = tmp_path / "stock"
+    dcp.save(_state(), storage_writer=FileSystemWriter(stock), no_dist=True)
+    assert_same_state(_state(), _load(stock))  # no manifest was ever committed: no error
+    lost, of_stock = _cli(("verify", ckpt), ("verify", stock))
+    assert lost.returncode == 1 and "DAMAGED" in lost.stdout and MANIFEST_NAME in lost.stdout
+    assert of_stock.returncode == 3 and "no checksums to verify" in of_stock.stdout
+
+
+def test_stock_saved_over_ours_says_which_manifest_to_remove(ckpt: Path) -> None:
+    """Stock ``FileSystemWriter`` saving over a checkpoint of ours leaves our manifest, which no
+    longer matches the commit record: the refusal says that this may be why, and what to do."""
+    newer = {**_state(), "w": torch.full((3, 4), -2.0)}
+    dcp.save(newer, storage_writer=FileSystemWriter(ckpt, overwrite=True), no_dist=True)
+    with pytest.raises(ChecksumMismatchError) as raised:
+        DataStatesReader(ckpt).read_metadata()
+    assert "stock FileSystemWriter" in str(raised.value)
+    assert f"remove {ckpt / MANIFEST_NAME}" in str(raised.value)
+    (verify,) = _cli(("verify", ckpt))
+    assert verify.returncode == 1 and f"remove {MANIFEST_NAME}" in verify.stdout
+    (ckpt / MANIFEST_NAME).unlink()  # as the message says: stock's checkpoint then loads
+    assert_same_state(newer, _load(ckpt))
 
 
 def test_cli_says_when_there_is_no_checkpoint_at_all(tmp_path: Path) -> None:
