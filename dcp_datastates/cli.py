@@ -35,8 +35,8 @@ from .format import (
     METADATA_CRC_FIELD,
     METADATA_NAME,
     RecordInfo,
+    committed_with_manifest,
     decode_manifest,
-    has_manifest,
     manifest_key,
     manifest_name,
     metadata_name,
@@ -242,7 +242,7 @@ def _verify(
     except (DataStatesError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_DAMAGED
-    if head is None and has_manifest(metadata):
+    if head is None and committed_with_manifest(metadata):
         print(
             f"{args.path}{_of(rank)}: DAMAGED: no {manifest_name(rank)}, but {meta} was "
             "committed by dcp_datastates with it: the records' checksums are lost (restore it "

@@ -154,7 +154,7 @@ def new_save_id() -> str:
     return f"{SAVE_ID_PREFIX}{uuid.uuid4()}"
 
 
-def has_manifest(metadata: Any) -> bool:
+def committed_with_manifest(metadata: Any) -> bool:
     """Whether ``metadata`` (DCP's ``Metadata``) was committed by our writer, with a manifest."""
     save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
     return isinstance(save_id, str) and save_id.startswith(SAVE_ID_PREFIX)

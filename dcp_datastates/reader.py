@@ -45,8 +45,8 @@ from .format import (
     DATA_SUFFIX,
     METADATA_NAME,
     RecordInfo,
+    committed_with_manifest,
     decode_manifest_full,
-    has_manifest,
     manifest_key,
     manifest_name,
     metadata_name,
@@ -204,7 +204,7 @@ class DataStatesReader(StorageReader):
     def _check_manifest_found(self) -> None:
         """A commit record of our writer with no manifest beside it lost its manifest (a copy
         that skipped it, a deletion): reading it as stock DCP's would load it unverified."""
-        if self.manifest is not None or not has_manifest(self.metadata):
+        if self.manifest is not None or not committed_with_manifest(self.metadata):
             return
         if self._manifest_missing:  # (a damaged one was refused, or warned about)
             name = manifest_name(self._metadata_rank)
