@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from crc32c import crc32c
+from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .bounce import BounceBuffers
@@ -219,6 +220,12 @@ class Fetch:
             )
             return
         target = self._direct_target(record, layout)
+        if target is not None:
+            # The reads below write its bytes behind torch's back: bump its version counter, as
+            # the copy_ of stock's reader does, before they start. Otherwise autograd would use
+            # the new values silently, and an async save of this tensor in flight would not see
+            # the write (its snapshot checks the version counter).
+            increment_version(target)
         data = target if target is not None else self._bounce(nbytes)
         data_bytes = memoryview(_bytes_of(data).numpy()) if nbytes else memoryview(b"")
 

@@ -21,9 +21,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import EVENT_TIMEOUT_S, GatedTensorProvider, failure_of, load_like
 
-from dcp_datastates import CheckpointSaveError, SnapshotMutationError, async_save
+from dcp_datastates import (
+    CheckpointSaveError,
+    DataStatesReader,
+    DataStatesWriter,
+    SnapshotMutationError,
+    async_save,
+)
 from dcp_datastates.format import METADATA_NAME
 from dcp_datastates.providers import TensorProvider
 
@@ -102,6 +109,32 @@ def test_an_ordinary_in_place_write_is_still_caught_by_its_version(
         response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
     mutation = failure_of(raised.value, SnapshotMutationError)
     assert mutation is not None and not mutation.unversioned
+
+
+def test_a_load_through_our_reader_into_a_tensor_in_flight_fails_the_save(
+    tmp_path: Path, make_writer: Any, gate: threading.Event
+) -> None:
+    """``DataStatesReader`` reads a big record straight into its target, behind torch's back.
+    It bumps the target's version counter as stock's ``copy_`` does: a user sweep restored a
+    checkpoint into live tensors while their save was in flight, and without the bump the save
+    committed the loaded values (they differed only away from the sampled bytes)."""
+    big = 1 << 19  # float32 elements: 2 MiB, a record the reader reads in place
+    weight = torch.nn.Parameter(torch.zeros(big), requires_grad=False)
+    other = torch.zeros(big)
+    other[1000:2000] = 5.0  # away from every sampled byte
+    dcp.save({"w": other}, storage_writer=DataStatesWriter(tmp_path / "other"), no_dist=True)
+
+    def restore() -> None:
+        version = weight._version
+        dcp.load({"w": weight}, storage_reader=DataStatesReader(tmp_path / "other"), no_dist=True)
+        assert torch.equal(weight.detach(), other) and weight._version > version
+
+    _, response = _save_while(tmp_path / "ckpt", make_writer, gate, weight, restore)
+    with pytest.raises(CheckpointSaveError) as raised:
+        response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    mutation = failure_of(raised.value, SnapshotMutationError)
+    assert mutation is not None and mutation.fqn == "w" and not mutation.unversioned
+    assert not (tmp_path / "ckpt" / METADATA_NAME).exists()
 
 
 # -- the documented limitation -------------------------------------------------------------------

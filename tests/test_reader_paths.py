@@ -84,6 +84,31 @@ def test_both_writers_load_bit_exact_on_every_read_path(
     assert_same_state(state, target)
 
 
+@pytest.mark.parametrize("shape", READ_SHAPES)
+@pytest.mark.parametrize("writer", ("stock", "datastates"))
+def test_every_target_written_has_its_version_bumped_as_stock_loads_do(
+    tmp_path: Path, writer: str, shape: str
+) -> None:
+    """Records read straight into their targets are written behind torch's back; stock's
+    ``copy_`` bumps each target's version counter, and autograd and our own snapshots rely on
+    it (a user sweep: a backward after such a load ran silently on the new values)."""
+    state = mixed_state()
+    save(state, tmp_path, writer)
+    target = blank_like(state)
+    tensors = {k: v for k, v in target.items() if isinstance(v, torch.Tensor) and v.numel()}
+    tensors.update({f"small.{i}": v for i, v in enumerate(target["small"])})  # (no bytes, no write)
+    before = {k: v._version for k, v in tensors.items()}
+    read(tmp_path, target, READ_SHAPES[shape])
+    assert [k for k, v in tensors.items() if v._version == before[k]] == []
+
+    weight = torch.zeros(512, 1024, requires_grad=True)
+    loss = (weight * weight).sum()  # saves weight for its backward
+    with torch.no_grad():
+        read(tmp_path, {"big": weight}, READ_SHAPES[shape])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("writer", ("stock", "datastates"))
 def test_targets_unlike_the_saved_chunk_load_as_stock_loads_them(
     tmp_path: Path, writer: str
