@@ -68,7 +68,11 @@ def _each_commit(handler: Any, args: argparse.Namespace) -> int:
     if isinstance(storage, LocalStorage) and os.path.isfile(storage.root):
         print(f"error: {args.path} is a file; give a checkpoint's directory", file=sys.stderr)
         return EXIT_NOT_COMMITTED
-    codes = [handler(args, storage, r) for r in _commit_ranks(storage, args.rank)]
+    reports: list[dict[str, Any]] = []  # inspect --json: one document for all the records
+    codes = [handler(args, storage, r, reports) for r in _commit_ranks(storage, args.rank)]
+    if reports:
+        many = {"path": args.path, "committed": True, "commit_records": reports}
+        print(json.dumps(reports[0] if len(reports) == 1 else many, indent=1))
     return next(c for c in _WORST_FIRST if c in codes)
 
 
@@ -159,7 +163,9 @@ def _print_report(report: dict[str, Any], out: TextIO) -> None:
         + (f", written by torch {report['torch']}" if report["torch"] else ""),
         file=out,
     )
-    if report["world_size"] is not None:
+    if "commit_record" in report:  # a save with use_collectives=False: this rank's items only
+        print(f"  commit record: {report['commit_record']} (this rank's items)", file=out)
+    elif report["world_size"] is not None:
         print(f"  world size: {report['world_size']}", file=out)
     print(f"  files ({sum(len(v) for v in report['files'].values())}):", file=out)
     for rank, names in sorted(report["files"].items()):
@@ -176,7 +182,10 @@ def _print_report(report: dict[str, Any], out: TextIO) -> None:
 
 
 def _inspect(
-    args: argparse.Namespace, storage: LocalStorage | FsspecStorage, rank: int | None
+    args: argparse.Namespace,
+    storage: LocalStorage | FsspecStorage,
+    rank: int | None,
+    reports: list[dict[str, Any]],
 ) -> int:
     if not storage.exists(metadata_name(rank)):
         return _not_committed(args.path, storage, args.json, rank)
@@ -191,7 +200,7 @@ def _inspect(
     if rank is not None:
         report["commit_record"] = metadata_name(rank)
     if args.json:
-        print(json.dumps(report, indent=1))
+        reports.append(report)  # printed by _each_commit, with the other ranks' records
     else:
         _print_report(report, sys.stdout)
     return EXIT_OK
@@ -213,7 +222,10 @@ def _verify_record(f: Any, info: RecordInfo, progress: tqdm) -> tuple[int, int]:
 
 
 def _verify(
-    args: argparse.Namespace, storage: LocalStorage | FsspecStorage, rank: int | None
+    args: argparse.Namespace,
+    storage: LocalStorage | FsspecStorage,
+    rank: int | None,
+    reports: list[dict[str, Any]],
 ) -> int:
     meta = metadata_name(rank)
     if not storage.exists(meta):

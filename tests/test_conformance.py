@@ -323,6 +323,15 @@ def test_cli_checks_every_rank_commit_record(
     report = json.loads(capsys.readouterr().out)
     assert report["commit_record"] == "__1.metadata"
     assert {item["fqn"] for item in report["items"]} == {"w", "step", "note.rank", "buf"}
+    # Every rank's record: still one JSON document (a user sweep got one object per rank,
+    # which json.loads refuses), and in text each block names its record.
+    assert main(["inspect", "--json", path]) == EXIT_OK
+    both = json.loads(capsys.readouterr().out)
+    assert [r["commit_record"] for r in both["commit_records"]] == ["__0.metadata", "__1.metadata"]
+    assert main(["inspect", path]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert "commit record: __0.metadata" in text and "commit record: __1.metadata" in text
+    assert "world size" not in text
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
