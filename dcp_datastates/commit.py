@@ -1,7 +1,7 @@
 """The commit: the manifest, then ``.metadata`` last and atomically. Nothing else commits.
 
 The order of durable operations (``docs/format.md``, "Commit order") lives here and in
-``flush``: ``uncommit`` (remove ``.metadata``, sync the directory) before any data is written;
+``flush``: ``uncommit`` (remove the commit records, sync the directory) before any data is written;
 every data file fsynced once by its rank; then ``commit``: stale files of an earlier save
 removed, the directory (and those above it) synced, the manifest and then ``.metadata`` each
 written to a temporary file, fsynced, renamed and the directory synced.
@@ -22,6 +22,7 @@ from ._dcp_private import StorageInfo
 from .errors import DataStatesError
 from .format import (
     DATA_SUFFIX,
+    METADATA_NAME,
     RecordInfo,
     encode_manifest,
     manifest_key,
@@ -41,28 +42,37 @@ def _ours(commit_rank: int | None) -> re.Pattern[str]:
     commit record: data files, the manifest, and the temporary files of an interrupted commit.
     A rank that commits alone (``use_collectives=False``) owns only its own prefix."""
     data = r"__\d+_\d+" if commit_rank is None else rf"__{commit_rank}_\d+"
-    names = (manifest_name(commit_rank), metadata_name(commit_rank))
+    names = [re.escape(manifest_name(commit_rank)), re.escape(metadata_name(commit_rank))]
+    if commit_rank is None:  # and every rank's own, of an earlier save with use_collectives=False
+        names += [r"__\d+" + re.escape(manifest_name()), r"__\d+" + re.escape(metadata_name())]
     return re.compile(
-        "^("
-        + data
-        + re.escape(DATA_SUFFIX)
-        + "|"
-        + "|".join(re.escape(n) + "(\\.tmp)?" for n in names)
-        + ")$"
+        "^(" + data + re.escape(DATA_SUFFIX) + "|" + "|".join(n + "(\\.tmp)?" for n in names) + ")$"
     )
 
 
-def uncommit(storage: Storage, commit_rank: int | None = None, *, sync: bool = True) -> bool:
-    """Remove an existing commit record (``.metadata``, or ``__{commit_rank}.metadata``) before
-    overwriting a checkpoint's data files, durably: after a power loss the directory must not
-    come back committed over half-new data."""
-    name = metadata_name(commit_rank)
-    if storage.exists(name):
+_RANK_RECORD = re.compile(r"^__\d+" + re.escape(METADATA_NAME) + "$")
+
+
+def commit_records(storage: Storage, commit_rank: int | None = None) -> list[str]:
+    """The commit records in the directory whose data files a save would overwrite: for a save
+    of all ranks (``commit_rank`` None) ``.metadata`` and every ``__{rank}.metadata`` (a save
+    with ``use_collectives=False`` wrote those, into the same ``__{rank}_{n}`` files); for a
+    rank that commits alone, its own ``__{commit_rank}.metadata`` and ``.metadata``."""
+    if commit_rank is not None:
+        names = [metadata_name(commit_rank), METADATA_NAME]
+        return [n for n in names if storage.exists(n)]
+    found = [METADATA_NAME] if storage.exists(METADATA_NAME) else []
+    return found + sorted(n for n in storage.list_names() if _RANK_RECORD.match(n))
+
+
+def uncommit(storage: Storage, records: list[str], *, sync: bool = True) -> None:
+    """Remove the commit records ``records`` (:func:`commit_records`) before overwriting a
+    checkpoint's data files, durably: after a power loss the directory must not come back
+    committed over half-new data. Ranks saving alone may remove ``.metadata`` at once."""
+    for name in records:
         storage.remove(name)
-        if sync:
-            storage.sync_dirs()
-        return True
-    return False
+    if records and sync:
+        storage.sync_dirs()
 
 
 def remove_stale(storage: Storage, keep: set[str], commit_rank: int | None = None) -> list[str]:

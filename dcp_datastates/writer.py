@@ -68,7 +68,7 @@ from . import commit as _commit
 from .compat import lazy_staging_planner, stock_stage, writer_options
 from .dcp_future import RelayFuture
 from .errors import InvalidStateDictError, WriterClosedError, WriterUsageError
-from .format import metadata_name, new_save_id
+from .format import new_save_id
 from .planner import (
     PLANNED_KEY,
     GlobalPlanMemo,
@@ -584,15 +584,22 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save = self._save()
-        name = metadata_name(save.commit_rank)
-        if save.storage.exists(name):
+        # Also the records of a save with the other use_collectives setting: its data files have
+        # the same names (a user sweep: overwrite=False saved over one, and an old .metadata
+        # was left committing overwritten data).
+        records = _commit.commit_records(save.storage, save.commit_rank)
+        if records:
             if not self.options.overwrite:
                 raise FileExistsError(
-                    f"{save.storage.describe(name)} exists and overwrite=False; save to a "
+                    f"{save.storage.describe(records[0])} exists and overwrite=False; save to a "
                     "new path or pass overwrite=True"
                 )
-            _commit.uncommit(save.storage, save.commit_rank, sync=self.options.sync_files)
-            logger.warning("overwriting the checkpoint at %s", save.storage.describe(""))
+            _commit.uncommit(save.storage, records, sync=self.options.sync_files)
+            logger.warning(
+                "overwriting the checkpoint at %s (removed %s first)",
+                save.storage.describe(""),
+                ", ".join(records),
+            )
         # A plan keeps the prefix it has (a rank's own, without collectives; a cached plan's).
         return [
             p if p.storage_data is not None else dataclasses.replace(p, storage_data=f"__{i}_")

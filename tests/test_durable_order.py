@@ -178,3 +178,41 @@ def test_without_sync_files_nothing_is_fsynced_but_stale_files_still_go(
     _save(ckpt, 1, _state(8), sync_files=False)
     assert not [e for e in events if e[0] == "fsync"], events
     assert sorted(p.name for p in ckpt.glob(f"*{DATA_SUFFIX}")) == [f"__0_0{DATA_SUFFIX}"]
+
+
+@pytest.mark.parametrize(
+    "first_collective", [True, False], ids=["global-then-rank", "rank-then-global"]
+)
+def test_a_save_with_the_other_use_collectives_uncommits_the_first_or_refuses(
+    tmp_path: Path, record: Callable[[Path], list[Event]], first_collective: bool
+) -> None:
+    """Both settings write ``__{rank}_{n}`` data files; only the commit record differs
+    (``.metadata`` or ``__{rank}.metadata``). A user sweep (2 gloo ranks) found ``overwrite=False``
+    ignored across the switch, and a global ``.metadata`` left committing overwritten data."""
+    ckpt = tmp_path / "ckpt"
+    first, second = _state(9), _state(8)
+
+    def save(state: dict[str, Any], collective: bool, **options: Any) -> None:
+        writer = DataStatesWriter(ckpt, flush_workers=1, **options)
+        try:
+            dcp.save(state, storage_writer=writer, no_dist=True, use_collectives=collective)
+        finally:
+            writer.close()
+
+    save(first, first_collective)
+    old_record = METADATA_NAME if first_collective else f"__0{METADATA_NAME}"
+    with pytest.raises(BaseException, match=rf"{old_record} exists and overwrite=False"):
+        save(second, not first_collective, overwrite=False)
+    assert_same_state(first, load_like(ckpt, first, "datastates"))
+
+    events = record(ckpt)
+    save(second, not first_collective)
+    assert events[:2] == [("unlink", old_record), ("fsync", "dir")], events
+    new_record = f"__0{METADATA_NAME}" if first_collective else METADATA_NAME
+    records = sorted(p.name for p in ckpt.iterdir() if p.name.endswith(METADATA_NAME))
+    assert records == [new_record]
+    if not first_collective:  # the global save also removed the rank's own manifest
+        assert not (ckpt / f"__0{MANIFEST_NAME}").exists()
+    for reader in READERS:
+        assert_same_state(second, load_like(ckpt, second, reader))
+    assert cli.main(["verify", "--quiet", str(ckpt)]) == 0
