@@ -141,6 +141,22 @@ def test_overwrite(impl: str, tmp_path: Path) -> None:
     _check_loads(path, _state(2))
 
 
+def test_a_save_without_checkpoint_id_goes_to_the_writers_path(tmp_path: Path) -> None:
+    """The one documented difference (README): stock's ``reset()`` keeps the last checkpoint_id,
+    so a stock writer saves over it again; ours saves where it was made to."""
+    writer = writer_for("ours", tmp_path / "home")
+    dcp.save(_state(1), storage_writer=writer, checkpoint_id=tmp_path / "a")
+    dcp.save(_state(2), storage_writer=writer)
+    writer.close()
+    _check_loads(tmp_path / "a", _state(1))
+    _check_loads(tmp_path / "home", _state(2))
+    stock = writer_for("stock", tmp_path / "home_stock")
+    dcp.save(_state(1), storage_writer=stock, checkpoint_id=tmp_path / "b")
+    dcp.save(_state(2), storage_writer=stock)
+    _check_loads(tmp_path / "b", _state(2))  # stock: saved over b
+    assert not (tmp_path / "home_stock").exists()
+
+
 def test_storage_meta_and_ids(impl: str, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     writer = writer_for(impl, path)
