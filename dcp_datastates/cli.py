@@ -92,7 +92,10 @@ def _not_committed(
         print(f"{path}: NO CHECKPOINT (the directory is empty or does not exist)")
     else:
         print(f"{path}: NOT COMMITTED (no {metadata_name(rank)}; {len(files)} data file(s))")
-        print("The save that wrote it did not finish; do not load it.")
+        if rank is not None and METADATA_NAME in names:
+            print(f"It has {METADATA_NAME}: it was saved with collectives; drop --rank.")
+        else:
+            print("The save that wrote it did not finish; do not load it.")
     return EXIT_NOT_COMMITTED
 
 

@@ -298,3 +298,11 @@ def test_cli_says_when_there_is_no_checkpoint_at_all(tmp_path: Path) -> None:
     assert a_file.returncode == 2 and "is a file" in a_file.stderr
     assert "Traceback" not in a_file.stderr
     assert inspect_missing.returncode == 2 and "NO CHECKPOINT" in inspect_missing.stdout
+
+
+def test_cli_rank_of_a_checkpoint_saved_with_collectives_says_to_drop_it(ckpt: Path) -> None:
+    """``--rank R`` picks ``__R.metadata``; on a checkpoint with a global ``.metadata`` the
+    answer "not committed, the save did not finish" sent a user sweep looking for a crash."""
+    (verify,) = _cli(("verify", ckpt, "--rank", 1))
+    assert verify.returncode == 2 and "NOT COMMITTED (no __1.metadata" in verify.stdout
+    assert "drop --rank" in verify.stdout and "did not finish" not in verify.stdout
