@@ -34,6 +34,7 @@ from .format import (
     FORMAT_VERSION,
     METADATA_CRC_FIELD,
     METADATA_NAME,
+    RANK_METADATA,
     RecordInfo,
     committed_with_manifest,
     decode_manifest,
@@ -48,7 +49,6 @@ from .storage import FsspecStorage, LocalStorage, storage_for
 EXIT_OK, EXIT_DAMAGED, EXIT_NOT_COMMITTED, EXIT_NOTHING_TO_VERIFY = 0, 1, 2, 3
 _CHUNK = 4 << 20
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)" + re.escape(DATA_SUFFIX) + "$")
-_RANK_METADATA = re.compile(r"^__(\d+)" + re.escape(METADATA_NAME) + "$")
 #: When several commit records are checked, the exit code of the worst one.
 _WORST_FIRST = (EXIT_DAMAGED, EXIT_NOT_COMMITTED, EXIT_NOTHING_TO_VERIFY, EXIT_OK)
 
@@ -59,7 +59,7 @@ def _commit_ranks(storage: LocalStorage | FsspecStorage, rank: int | None) -> li
         return [rank]
     if storage.exists(METADATA_NAME):
         return [None]
-    found = (_RANK_METADATA.match(n) for n in storage.list_names())
+    found = (RANK_METADATA.match(n) for n in storage.list_names())
     return sorted(int(m.group(1)) for m in found if m) or [None]
 
 

@@ -23,6 +23,7 @@ from .errors import DataStatesError
 from .format import (
     DATA_SUFFIX,
     METADATA_NAME,
+    RANK_METADATA,
     RecordInfo,
     encode_manifest,
     manifest_key,
@@ -50,9 +51,6 @@ def _ours(commit_rank: int | None) -> re.Pattern[str]:
     )
 
 
-_RANK_RECORD = re.compile(r"^__\d+" + re.escape(METADATA_NAME) + "$")
-
-
 def commit_records(storage: Storage, commit_rank: int | None = None) -> list[str]:
     """The commit records in the directory whose data files a save would overwrite: for a save
     of all ranks (``commit_rank`` None) ``.metadata`` and every ``__{rank}.metadata`` (a save
@@ -62,7 +60,7 @@ def commit_records(storage: Storage, commit_rank: int | None = None) -> list[str
         names = [metadata_name(commit_rank), METADATA_NAME]
         return [n for n in names if storage.exists(n)]
     found = [METADATA_NAME] if storage.exists(METADATA_NAME) else []
-    return found + sorted(n for n in storage.list_names() if _RANK_RECORD.match(n))
+    return found + sorted(n for n in storage.list_names() if RANK_METADATA.match(n))
 
 
 def uncommit(storage: Storage, records: list[str], *, sync: bool = True) -> None:

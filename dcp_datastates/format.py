@@ -348,6 +348,10 @@ def data_start(head: bytes) -> int | None:
     return at + _LOCAL_HEADER.size + name_len + extra_len
 
 
+#: ``__{rank}.metadata``: a rank's own commit record (group 1: the rank).
+RANK_METADATA = re.compile(r"^__(\d+)" + re.escape(METADATA_NAME) + "$")
+
+
 def metadata_name(rank: int | None = None) -> str:
     """``.metadata``, or ``__{rank}.metadata`` for a save with ``use_collectives=False`` (each
     rank commits its own, as stock ``FileSystemWriter`` does)."""

@@ -44,6 +44,7 @@ from .fetch import Fetch, FetchOptions, Record
 from .format import (
     DATA_SUFFIX,
     METADATA_NAME,
+    RANK_METADATA,
     RecordInfo,
     committed_with_manifest,
     decode_manifest_full,
@@ -274,7 +275,7 @@ class DataStatesReader(StorageReader):
     def _not_committed(self, name: str) -> CheckpointNotCommittedError:
         names = self.storage.list_names()
         found = [n for n in names if n.endswith(DATA_SUFFIX)]
-        per_rank = sorted(n for n in names if n.startswith("__") and n.endswith(METADATA_NAME))
+        per_rank = sorted(n for n in names if RANK_METADATA.match(n))
         hint = (
             f"; it has per-rank commit records ({', '.join(per_rank[:4])}) of a save with "
             "use_collectives=False, which dcp.load reads by itself (read_metadata(rank=R))"

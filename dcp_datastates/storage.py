@@ -292,8 +292,10 @@ class FsspecStorage:
         return bool(self.fs.exists(self._path(name)))
 
     def remove(self, name: str) -> None:
-        if self.fs.exists(self._path(name)):
-            self.fs.rm_file(self._path(name))
+        # Ranks saving alone may remove one global .metadata at once: gone is as good.
+        with contextlib.suppress(FileNotFoundError):
+            if self.fs.exists(self._path(name)):
+                self.fs.rm_file(self._path(name))
 
     @contextlib.contextmanager
     def open_write(self, name: str, *, sync: bool) -> Iterator[BinaryIO]:

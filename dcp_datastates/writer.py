@@ -21,8 +21,8 @@ Lifecycle of one save (the state names appear in code, logs and docs)::
                                                     staged snapshot; prepare_local_plan: wait
                                                     for earlier saves to the same directory
                                                     (path_turns.py), mkdir
-                                      coordinator   prepare_global_plan: remove an old .metadata,
-                                                    name each rank's files
+                                      coordinator   prepare_global_plan: remove old commit
+                                                    records, name each rank's files
     FLUSHING   DCP save thread +      every         write_data: files written as pieces land;
                flush threads                        a plain dcp.save (no stage) snapshots here
     SAFE       snapshot threads       every         all pieces copied (or written from the live
