@@ -154,6 +154,7 @@ def test_new_containers_holding_the_same_tensors_replay(saver: Saver) -> None:
         "rename_key",
         "resize_small",
         "retype_small",
+        "retype_small_uncastable",
         "grow_small_data",
         "scalar_to_tensor",
         "parameter_to_tensor",
@@ -177,6 +178,8 @@ def test_a_changed_layout_is_walked_again_and_committed(saver: Saver, change: st
         model["b2"].resize_(4)  # the whole group: torch.stack would not notice by itself
     elif change == "retype_small":
         model["b1"].data = torch.ones(8, dtype=torch.float64)  # no version bump
+    elif change == "retype_small_uncastable":  # torch.stack into the int64 buffer: TypeError
+        model["count"] = torch.tensor(0.5)
     elif change == "grow_small_data":
         model["b1"].data = torch.ones(64, 64)
     elif change == "parameter_to_tensor":

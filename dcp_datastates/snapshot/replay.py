@@ -345,8 +345,10 @@ def _stack_groups(
                     stacked = torch.stack(members, out=spare[i])
                 else:
                     stacked = torch.stack(members)
-            except RuntimeError:
-                return None  # a tensor was resized, or moved to another device
+            except (RuntimeError, TypeError):
+                # Resized or moved (RuntimeError), or retyped to a dtype the group's buffer
+                # cannot take (TypeError: a float where an int64 step was; a user sweep).
+                return None
             # After the stack, which brought the tensors' metadata into the caches: the dtypes,
             # which torch.stack would have converted silently.
             if set(map(_dtype, members)) != {dtype}:
