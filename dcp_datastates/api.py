@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
@@ -215,16 +216,27 @@ def _report_failure(
 ) -> BaseException:
     """A failed save's error as the caller sees it (``_as_error``), recorded in its own
     ``stats`` (``last_stats`` keeps the last good save)."""
-    error = _as_error(exc)  # CheckpointException: a BaseException
+    rank = stats.rank if stats is not None else _this_rank()
+    error = _as_error(exc, rank)  # CheckpointException: a BaseException
     if stats is not None:
         record_failure(writer, stats, error)
     return error
 
 
-def _as_error(exc: BaseException) -> BaseException:
-    failures = getattr(exc, "failures", None)
-    if isinstance(exc, Exception) and failures is None:
+def _this_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _as_error(exc: BaseException, rank: int) -> CheckpointSaveError:
+    """Every failure as ``CheckpointSaveError``, as the README promises: DCP's
+    ``CheckpointException`` with its per-rank failures, or an error ``dcp.save`` raised
+    outside its collectives (``reset()`` of a writer that ``close(timeout)`` shut while the
+    save thread was starting) as this rank's only failure."""
+    if isinstance(exc, CheckpointSaveError):
         return exc
+    failures = getattr(exc, "failures", None)
+    if failures is None:
+        failures = {rank: exc}
     if failures:
         # DCP wraps each rank's error as (exception, traceback summary); keep the exceptions.
         failures = {r: e[0] if isinstance(e, tuple) else e for r, e in failures.items()}

@@ -7,8 +7,8 @@ A checkpoint saved with ``use_collectives=False`` has one commit record per rank
 (``__{rank}.metadata``): both commands go through each (``--rank R`` picks one).
 
 Exit codes: 0 fine; 1 damaged (checksum mismatch, truncated or missing file) or refused by the
-safe-load checks; 2 not committed (no ``.metadata``); 3 (``verify`` only) nothing to verify: a
-stock DCP checkpoint has no manifest, so no checksums.
+safe-load checks; 2 not committed (no ``.metadata``) or no checkpoint at the path; 3 (``verify``
+only) nothing to verify: a stock DCP checkpoint has no manifest, so no checksums.
 """
 
 from __future__ import annotations
@@ -323,7 +323,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dcp-datastates",
         description="Inspect and verify DCP checkpoints written by dcp_datastates.",
-        epilog="Exit codes: 0 ok, 1 damaged or refused, 2 not committed, 3 nothing to verify.",
+        epilog=(
+            "Exit codes: 0 ok, 1 damaged or refused, 2 not committed or no checkpoint at the "
+            "path, 3 nothing to verify."
+        ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (

@@ -55,8 +55,10 @@ class SnapshotMutationError(DataStatesError):
         self, *, fqn: str, rank: int, before: int, after: int, unversioned: bool = False
     ) -> None:
         how = (
-            "its bytes changed without a version bump (a write through .data, .numpy() or a "
-            "torch.from_numpy view, which the optimizer guard cannot hold back)"
+            "its bytes changed without a version bump: a module's forward updating a buffer, "
+            "such as BatchNorm's running statistics, with guard_forward off, or a write "
+            "through .data, .numpy() or a torch.from_numpy view, which the optimizer guard "
+            "cannot hold back"
             if unversioned
             else f"version {before} -> {after}"
         )

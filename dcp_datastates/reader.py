@@ -274,6 +274,19 @@ class DataStatesReader(StorageReader):
 
     def _not_committed(self, name: str) -> CheckpointNotCommittedError:
         names = self.storage.list_names()
+        if not names:  # a typo in the path is not a save that did not finish (a user sweep)
+            return CheckpointNotCommittedError(
+                f"there is no checkpoint at {self.path}: the directory does not exist or is "
+                "empty; check the path"
+            )
+        if name != METADATA_NAME and METADATA_NAME in names:
+            # dcp.load asks for __{rank}.metadata only after reading .metadata failed: saying
+            # "not committed" here hid a damaged checkpoint's cause behind a wrong one.
+            return CheckpointNotCommittedError(
+                f"{self.path} has no {name}: it was committed with collectives, in "
+                f"{METADATA_NAME} (read_metadata() without rank); dcp.load asks for {name} "
+                f"only after reading {METADATA_NAME} failed, and that error says why"
+            )
         found = [n for n in names if n.endswith(DATA_SUFFIX)]
         per_rank = sorted(n for n in names if RANK_METADATA.match(n))
         hint = (

@@ -66,10 +66,8 @@ class SaveStats:
             return "-" if value is None else f"{value:.3f}s"
 
         if self.error is not None:
-            return (
-                f"rank {self.rank}: save to {self.checkpoint_id} failed after "
-                f"{fmt(self.durable_s)}: {self.error}"
-            )
+            after = "" if self.durable_s is None else f" after {fmt(self.durable_s)}"
+            return f"rank {self.rank}: save to {self.checkpoint_id} failed{after}: {self.error}"
         return (
             f"rank {self.rank}: saved {self.items} items, {self.bytes_written / 1e6:.1f} MB to "
             f"{self.checkpoint_id}: blocked {fmt(self.blocked_s)}, safe to mutate "

@@ -317,7 +317,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             self._local.staged_stats = None
             return copied
         rank = _current_rank()
-        stats = SaveStats(checkpoint_id="", rank=rank, pool_bytes=self._runtime.pool_capacity)
+        stats = SaveStats(
+            checkpoint_id=os.fspath(call.checkpoint_id or self.path),  # set_up_storage_writer
+            rank=rank,  # writes the storage's name for it; a save failing first has this one
+            pool_bytes=self._runtime.pool_capacity,
+        )
         path_turns.end_owned()  # a plain dcp.save this thread ran has returned
         turn = path_turns.take(call.checkpoint_id or self.path)
         try:
@@ -510,7 +514,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         snapshot staged for it (claiming first, so that a save dying later is seen dead)."""
         claimed = self._runtime.claim()
         if claimed is None:
-            self._runtime.check_open()  # a closed writer finishes staged saves, starts none
+            self._runtime.check_open_to_save()  # a closed writer finishes staged saves only
         session = stats = None
         if claimed is not None:
             session, (stats, turn) = claimed

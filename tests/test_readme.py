@@ -43,3 +43,24 @@ def test_the_options_table_names_every_writer_option_with_its_default() -> None:
     )
     for name, default in table.items():
         assert _value(default) == fields[name], f"{name}: README {default}, code {fields[name]!r}"
+
+
+def test_every_error_the_readme_lists_is_importable_from_the_package() -> None:
+    """``except dcp_datastates.X`` must work for every error of the "## Errors" table (a user
+    sweep found ``SnapshotAbortedError`` only in ``dcp_datastates.errors``)."""
+    import dcp_datastates
+
+    section = README.read_text().split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `(\w+Error)`", section, flags=re.MULTILINE)
+    assert len(listed) >= 9, listed
+    for name in listed:
+        error = getattr(dcp_datastates, name, None)
+        assert isinstance(error, type) and issubclass(error, dcp_datastates.DataStatesError), name
+        assert name in dcp_datastates.__all__, name
+
+
+def test_the_automatic_pools_floor_is_the_one_the_readme_gives() -> None:
+    from dcp_datastates.snapshot.runtime import MIN_AUTO_POOL
+
+    floors = re.findall(r"never under (\d+) MiB", README.read_text())
+    assert floors and {int(f) * MiB for f in floors} == {MIN_AUTO_POOL}, floors

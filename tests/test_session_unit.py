@@ -280,6 +280,28 @@ def test_close_drops_a_session_staged_outside_a_save_and_then_refuses_work() -> 
         rt.stage(session, None, started=0.0, expect_claim=True)
 
 
+def test_a_save_whose_snapshot_close_dropped_before_its_claim_fails_as_dropped_once() -> None:
+    rt, session = runtime_with({"t": torch.zeros(1000)})
+    rt.stage(session, None, started=time.monotonic(), expect_claim=True)
+    rt.close(timeout=0)  # its save thread never claimed it
+    assert session.aborted and session.retired
+    with pytest.raises(WriterClosedError):  # the thread that staged it is not its save
+        rt.check_open_to_save()
+    errors: list[BaseException] = []
+
+    def save_thread() -> None:
+        for _ in range(2):
+            try:
+                rt.check_open_to_save()
+            except BaseException as exc:  # noqa: BLE001 - recorded, asserted below
+                errors.append(exc)
+
+    t = threading.Thread(target=save_thread)
+    t.start()
+    t.join(EVENT_TIMEOUT_S)
+    assert [type(e) for e in errors] == [SnapshotAbortedError, WriterClosedError]
+
+
 def test_a_session_whose_stage_fails_is_dropped_not_left_for_close_to_wait_on() -> None:
     rt, session = runtime_with({"t": torch.zeros(1000)})
     rt.closed = True  # close() began between new_session and stage

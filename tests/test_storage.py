@@ -166,6 +166,38 @@ def test_a_checkpoint_without_metadata_is_refused_as_not_committed(
         load_like(tmp_path, state, "datastates")
 
 
+def test_a_path_with_no_checkpoint_is_named_as_such_not_as_an_unfinished_save(
+    tmp_path: Path,
+) -> None:
+    """A typo in the path is not a save that died (a user sweep: it said "did not finish")."""
+    for path in (tmp_path / "no such dir", tmp_path):
+        with pytest.raises(CheckpointNotCommittedError, match="no checkpoint at") as raised:
+            DataStatesReader(path).read_metadata()
+        assert "check the path" in str(raised.value)
+        assert "did not finish" not in str(raised.value)
+        with pytest.raises(BaseException, match="no checkpoint at") as raised:
+            load_like(path, {"w": torch.zeros(2)}, "datastates")
+        assert "did not finish" not in str(raised.value)
+
+
+def test_dcp_load_of_a_damaged_metadata_says_why_and_not_that_the_save_did_not_finish(
+    tmp_path: Path, make_writer
+) -> None:
+    """``dcp.load`` falls back to ``__{rank}.metadata`` when reading ``.metadata`` failed, and
+    reports both errors: the second one must not blame an unfinished save (a user sweep)."""
+    state = {"w": torch.randn(16)}
+    dcp.save(state, storage_writer=make_writer(tmp_path), no_dist=True)
+    blob = bytearray((tmp_path / METADATA_NAME).read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (tmp_path / METADATA_NAME).write_bytes(bytes(blob))
+    with pytest.raises(BaseException) as raised:
+        load_like(tmp_path, state, "datastates")
+    message = str(raised.value)
+    assert "crc32c" in message and "the checkpoint is damaged" in message, message
+    assert "committed with collectives" in message, message
+    assert "did not finish" not in message, message
+
+
 def test_a_flipped_data_byte_fails_the_load_naming_the_item(tmp_path: Path, make_writer) -> None:
     state = {"intact": torch.randn(64), "damaged": torch.randn(64)}
     dcp.save(state, storage_writer=make_writer(tmp_path), no_dist=True)

@@ -148,6 +148,27 @@ def test_without_the_forward_gate_the_same_loop_fails_instead_of_committing_a_to
     assert mutation is not None and mutation.fqn.startswith("model."), raised.value
 
 
+def test_without_the_forward_gate_a_batchnorm_update_fails_the_save_naming_the_gate(
+    tmp_path: Path, make_writer, gated_tensors
+) -> None:
+    """BatchNorm's forward updates its running statistics without a version bump: the save
+    fails on them, and the error names that cause and the option (a user sweep: it named only
+    writes through .data or numpy views)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64))
+    model(torch.randn(16, 32))
+    writer = make_writer(tmp_path, guard_forward=False, eager_copy_bytes=0, **SMALL_POOL)
+    response = async_save({"model": model.state_dict()}, writer, no_dist=True)
+    model(torch.randn(16, 32))
+    gated_tensors.set()
+    with pytest.raises(CheckpointSaveError) as raised:
+        response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    mutation = failure_of(raised.value, SnapshotMutationError)
+    assert mutation is not None, raised.value
+    assert mutation.fqn.startswith("model.1.running_"), mutation
+    assert "BatchNorm's running statistics, with guard_forward off" in str(mutation)
+
+
 @pytest.mark.parametrize("entry", ["ours", "dcp", "dcp, a writer per save"])
 def test_an_unmodified_batchnorm_loop_commits_every_save_with_the_state_at_the_call(
     tmp_path: Path, make_writer, entry: str

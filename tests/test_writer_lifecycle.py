@@ -526,6 +526,39 @@ def test_close_with_a_timeout_fails_a_stuck_save_cleanly(tmp_path: Path, gated_t
     assert not (tmp_path / METADATA_NAME).exists()
 
 
+def test_close_with_a_timeout_before_the_save_thread_claims_fails_that_save_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close(timeout=0)`` right after ``async_save``, before the writer's save thread took the
+    snapshot (a user sweep): that save fails as a dropped snapshot, ``CheckpointSaveError``
+    with ``SnapshotAbortedError``, not with a bare ``WriterClosedError`` saying to make a new
+    writer; its stats name the checkpoint. The save thread is held until close() returned."""
+    from dcp_datastates import api
+
+    gate = threading.Event()
+    save_staged = api._save_staged
+
+    def held(*args):
+        assert gate.wait(EVENT_TIMEOUT_S)
+        return save_staged(*args)
+
+    monkeypatch.setattr(api, "_save_staged", held)
+    writer = DataStatesWriter(tmp_path / "w")
+    path = tmp_path / "c"
+    response = async_save(state(), writer, checkpoint_id=path, no_dist=True)
+    writer.close(timeout=0)
+    gate.set()
+    with pytest.raises(CheckpointSaveError) as raised:
+        response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert set(raised.value.failures) == {0}
+    assert isinstance(raised.value.failures[0], SnapshotAbortedError), raised.value
+    assert "was closed before this snapshot was written" in str(raised.value)
+    assert not (path / METADATA_NAME).exists()
+    assert writer.last_failed_stats.checkpoint_id == str(path)
+    with pytest.raises(WriterClosedError):  # the next save is refused as a closed writer's
+        async_save(state(), writer, no_dist=True)
+
+
 @pytest.mark.parametrize("how", ["stage", "async_save", "dcp.async_save", "dcp.save"])
 def test_a_closed_writer_refuses_new_work_with_a_clear_error(tmp_path: Path, how: str) -> None:
     writer = DataStatesWriter(tmp_path)

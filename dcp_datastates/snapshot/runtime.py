@@ -173,6 +173,9 @@ class SnapshotRuntime:
         #: Every session's retirement callback (it holds this runtime weakly).
         self._retired_callback = self._on_retired()
         self._savers: ThreadPoolExecutor | None = None  # run dcp_datastates.async_save's saves
+        #: The thread that staged a snapshot ``close(timeout)`` dropped before its save thread
+        #: claimed it, and the error that save is to fail with.
+        self._dropped_claim: tuple[threading.Thread, SnapshotAbortedError] | None = None
         #: Per session planned later, the thread that staged it and the latch its planning
         #: waits on until that thread is returning from ``dcp.async_save``.
         self._returning: list[tuple[threading.Thread, Latch]] = []
@@ -217,6 +220,17 @@ class SnapshotRuntime:
     def check_open(self) -> None:
         if self.closed:
             raise self._closed_error()
+
+    def check_open_to_save(self) -> None:
+        """For a save that claimed no snapshot: on a writer that ``close(timeout)`` shut while
+        the save thread of a staged snapshot was starting, that save fails as the snapshot did
+        (:class:`SnapshotAbortedError`, once); any other save on a closed writer is refused."""
+        with self._lock:
+            dropped, self._dropped_claim = self._dropped_claim, None
+            if dropped is not None and dropped[0] is not threading.current_thread():
+                raise dropped[1]
+            self._dropped_claim = dropped
+        self.check_open()
 
     # -- sessions ----------------------------------------------------------------------------
     def new_session(
@@ -688,6 +702,8 @@ class SnapshotRuntime:
                 self._changed.wait(timeout=0.5 if left is None else min(0.5, left))
         if busy:
             with self._changed:
+                if self._unclaimed is not None:  # its save thread has not claimed it yet
+                    self._dropped_claim = (self._unclaimed.thread, self._dropped_error())
                 self._unclaimed = None
             for s in busy:
                 self.abort(s, self._dropped_error())
