@@ -15,9 +15,11 @@ class DataStatesError(Exception):
     """Base class of every error raised by dcp_datastates."""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        if isinstance(self, OSError):  # OSError pickles errno, strerror, filename and __dict__
-            return super().__reduce__()
-        # Rebuilt without calling __init__, whose signature subclasses are free to choose.
+        # Rebuilt without calling the subclass's __init__, whose signature subclasses are free
+        # to choose (ObjectStoreError's is keyword-only: OSError's own reduce called it).
+        if isinstance(self, OSError):  # errno, strerror and filename are OSError's own fields
+            _, os_args, *state = super().__reduce__()
+            return (_rebuild_os, (type(self), os_args, state[0] if state else None))
         return (_rebuild, (type(self), self.args, self.__dict__))
 
 
@@ -25,6 +27,13 @@ def _rebuild(cls: type[BaseException], args: tuple, state: dict[str, Any]) -> Ba
     err = cls.__new__(cls)
     err.args = args
     err.__dict__.update(state)
+    return err
+
+
+def _rebuild_os(cls: type[OSError], args: tuple, state: dict[str, Any] | None) -> OSError:
+    err = cls.__new__(cls, *args)
+    OSError.__init__(err, *args)  # errno, strerror, filename: what OSError's reduce gave
+    err.__dict__.update(state or {})
     return err
 
 

@@ -57,6 +57,38 @@ def test_every_public_error_type_survives_pickling_with_its_attributes() -> None
     assert (mutation.rank, mutation.before, mutation.after) == (1, 3, 4)
 
 
+def test_the_error_types_outside_errors_py_survive_pickling_with_their_attributes() -> None:
+    """``ObjectStoreError`` (an ``OSError`` with a keyword-only ``__init__``) reached the
+    coordinator as a plain ``DataStatesError`` without bucket, key or code (a user sweep)."""
+    import errno
+
+    from dcp_datastates._s3_client import ObjectStoreError
+    from dcp_datastates.tiers import MirrorError
+
+    store = ObjectStoreError(
+        errno.EIO,
+        f"rank 1: upload_part failed: {CAUSE}",
+        bucket="bkt",
+        key="run/__1_0.distcp",
+        operation="upload_part",
+        code="SlowDown",
+    )
+    store.transient = True
+    for err in (store, MirrorError(f"rank 1: {CAUSE}")):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err) and back.args == err.args
+        assert vars(back) == vars(err)
+    back = pickle.loads(pickle.dumps(store))
+    assert (back.errno, back.filename, back.bucket, back.code, back.transient) == (
+        errno.EIO,
+        "s3://bkt/run/__1_0.distcp",
+        "bkt",
+        "SlowDown",
+        True,
+    )
+    assert errors.portable(store) is store
+
+
 def test_an_error_that_cannot_be_unpickled_is_made_portable_keeping_its_cause() -> None:
     err = UserProviderError(item="w")
     with pytest.raises(TypeError):
