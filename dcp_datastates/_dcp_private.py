@@ -88,6 +88,9 @@ class AsyncSaveCall(NamedTuple):
     planner: Any = None  # the SavePlanner given to dcp.async_save (None: DCP's default)
     no_dist: bool = False
     process_group: Any = None
+    #: A ``Stateful``'s ``state_dict()`` raised in ``dcp_datastates.async_save`` on this rank
+    #: alone: ``stage()`` hands it to the save, which fails on every rank.
+    state_error: BaseException | None = None
 
 
 NOT_FOUND = AsyncSaveCall(found=False)

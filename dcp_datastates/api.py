@@ -22,7 +22,13 @@ from ._dcp_private import AsyncSaveCall, require_cpu_backend
 from .errors import CheckpointSaveError
 from .planner import StagedSavePlanner
 from .stats import SaveStats
-from .writer import _ANNOUNCED, DataStatesWriter, record_failure
+from .writer import (
+    _ANNOUNCED,
+    DataStatesWriter,
+    fails_on_every_rank,
+    lost_process_group,
+    record_failure,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +77,17 @@ def async_save(
     )
     start = time.monotonic()
     writer._local.staged_stats = None
+    try:
+        state_dict = _stateful_to_state_dict(state_dict)
+    except Exception as exc:
+        if not fails_on_every_rank(exc, call):
+            if owned:
+                _close_owned(writer)
+            raise
+        # Raised here on one rank, the other ranks' saves would wait in DCP's collectives
+        # until the process group's timeout (a user sweep): this rank's save fails instead,
+        # which DCP reports to every rank, as for a state stage() cannot save.
+        call, state_dict = call._replace(state_error=exc), {}
     token = writer._announce(call)
     try:
         if not owned and call.mode == _THREAD:
@@ -104,6 +121,9 @@ def async_save(
             stats.blocked_s = blocked
         error = None if raw is None else _report_failure(writer, stats, raw)
         if owned:  # a writer made for one save: release its pool and threads before reporting
+            # This callback may run on DCP's save thread: close() would wait for the snapshot
+            # that thread claimed and never wrote (the save failed first) until it exited.
+            writer._runtime.save_ended()
             _close_owned(writer)
         if error is None:
             out.set_result(f.result())
@@ -131,8 +151,9 @@ def _save_on_writer_threads(
 
     ``dcp.async_save`` starts a thread for every save (``ThreadPoolExecutor(1)``) and logs each
     of its steps; on the caller that costs more than ``stage()`` itself for states of a few
-    hundred tensors. The steps are the same: the CPU-backend check, ``Stateful`` values'
-    ``state_dict()`` on the caller, ``stage()``, ``dcp.save`` on a save thread, and then the
+    hundred tensors. The steps are the same: ``Stateful`` values' ``state_dict()`` on the
+    caller (``async_save`` did it), the CPU-backend check, ``stage()``, ``dcp.save`` on a save
+    thread, and then the
     writer is told the caller is returning (``should_synchronize_after_execute``). The save
     thread's future is the caller's ``upload_completion`` (``_save_staged`` reports a failure
     as ``async_save``'s relay does): a second future and its callback cost the caller 20 us
@@ -142,7 +163,7 @@ def _save_on_writer_threads(
         raise TypeError(f"async_save() got unexpected keyword arguments: {sorted(unknown)}")
     save_kwargs = {k: v for k, v in kwargs.items() if k in _SAVE_KWARGS}
     require_cpu_backend(kwargs.get("process_group"))
-    staged = writer.stage(_stateful_to_state_dict(state_dict))
+    staged = writer.stage(state_dict)  # Stateful values converted by async_save
     stats = writer._staged_stats()
     try:
         upload = writer._runtime.run_save(_save_staged, staged, writer, save_kwargs, stats)
@@ -172,8 +193,16 @@ def _save_staged(
             "planner": StagedSavePlanner(writer._staged_local_plan, writer._global_plans),
         }
     try:
+        lost = lost_process_group(stats)
+        if lost is not None:  # before DCP, which would fail naming no cause, or save as 1 rank
+            writer._runtime.drop_unclaimed(lost)
+            raise lost
         return dcp.save(staged, storage_writer=writer, **save_kwargs)
     except BaseException as exc:
+        lost = lost_process_group(stats)  # DCP's own error for it names no cause
+        if lost is not None and lost is not exc:
+            lost.__cause__ = exc
+            exc = lost
         error = _report_failure(writer, stats, exc)
         if error is exc:
             raise

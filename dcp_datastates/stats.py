@@ -12,6 +12,7 @@ class SaveStats:
     Attributes:
         checkpoint_id: Where the checkpoint went.
         rank: This rank.
+        world_size: Ranks in the save's process group when it was staged (1 without one).
         blocked_s: How long the caller was blocked (``stage()``, or the whole ``dcp.save``;
             ``dcp_datastates.async_save`` sets it to its whole call).
         stage_s: How long ``stage()`` itself took (None for a plain ``dcp.save``).
@@ -39,6 +40,7 @@ class SaveStats:
 
     checkpoint_id: str
     rank: int
+    world_size: int = 1
     blocked_s: float = 0.0
     stage_s: float | None = None
     safe_to_mutate_s: float | None = None

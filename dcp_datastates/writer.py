@@ -97,6 +97,29 @@ def _current_rank() -> int:
     return dist.get_rank() if _dcp_private.DIST_AVAILABLE and dist.is_initialized() else 0
 
 
+def _world_size(call: _dcp_private.AsyncSaveCall) -> int:
+    """Ranks in the process group a save staged now runs on (1 for a save without one)."""
+    if call.no_dist or not (_dcp_private.DIST_AVAILABLE and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(call.process_group)
+
+
+def lost_process_group(stats: SaveStats | None) -> WriterUsageError | None:
+    """The error for a save staged in a process group of several ranks whose save thread finds
+    none: the script destroyed it right after the call (a user sweep). DCP then saved each rank
+    as rank 0 of one, into the same files, and committed one rank's state as the whole."""
+    if stats is None or stats.world_size == 1:
+        return None
+    if _dcp_private.DIST_AVAILABLE and dist.is_initialized():
+        return None
+    return WriterUsageError(
+        f"rank {stats.rank}: the save to {stats.checkpoint_id} was staged in a process group "
+        f"of {stats.world_size} ranks, which was destroyed before its save ran; nothing was "
+        "written. Wait for the save (its future, or writer.close()) before "
+        "dist.destroy_process_group()"
+    )
+
+
 def _refuse_file_target(path: str | os.PathLike) -> None:
     """Refuse, on the caller's thread, a local checkpoint path that is an existing file.
 
@@ -144,7 +167,7 @@ class _Save:
         return storage_for(self.path, self.storage_options, direct=self.direct)
 
 
-def _fails_on_every_rank(error: Exception, call: _dcp_private.AsyncSaveCall) -> bool:
+def fails_on_every_rank(error: Exception, call: _dcp_private.AsyncSaveCall) -> bool:
     """Whether ``stage()`` hands ``error`` (about the state dict) to the save rather than raise
     it: in a save whose ranks plan and commit together, where the other ranks would wait for
     this one in DCP's collectives."""
@@ -321,6 +344,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             checkpoint_id=os.fspath(call.checkpoint_id or self.path),  # set_up_storage_writer
             rank=rank,  # writes the storage's name for it; a save failing first has this one
             pool_bytes=self._runtime.pool_capacity,
+            world_size=_world_size(call),
         )
         path_turns.end_owned()  # a plain dcp.save this thread ran has returned
         turn = path_turns.take(call.checkpoint_id or self.path)
@@ -345,10 +369,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """stage()'s snapshot: recorded for the planning thread, or planned here."""
         rank = stats.rank
         try:
+            if call.state_error is not None:
+                raise call.state_error
             captured = self._captures.capture(state_dict)
             items = None if captured is not None else plan_providers(state_dict)
         except Exception as exc:
-            if not _fails_on_every_rank(exc, call):
+            if not fails_on_every_rank(exc, call):
                 raise
             # Raised here, on this rank only, the error would leave the other ranks' saves
             # waiting in DCP's collectives for good: it fails this rank's save instead (its
@@ -571,6 +597,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         save.use_collectives = kwargs.get("use_collectives", True)
         if not save.use_collectives:
             save.is_coordinator = True
+        lost = lost_process_group(save.stats) if save.session is not None else None
+        if lost is not None:  # an error nobody may wait for: the script is ending
+            logger.error("%s", lost)
+            raise lost
         if save.stats is None:
             save.stats = SaveStats(checkpoint_id="", rank=save.rank)
         save.stats.checkpoint_id = save.storage.describe("").rstrip("/")
@@ -579,6 +609,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         save = self._save()
         save.turn.wait(save.storage.describe("").rstrip("/"))  # earlier saves to it end first
+        if save.session is not None and save.session.error is not None:
+            # The snapshot failed already (a state stage() could not save, a Stateful that
+            # raised, a change seen by a copy): raised in this local step, DCP reports it to
+            # every rank before the global plan, which a rank missing items could fail first.
+            raise save.session.error
         save.storage.makedirs()
         if is_planned_elsewhere(plan):
             plan = self._writers_plan(save, plan)

@@ -11,6 +11,10 @@
     call-error-MODE  rank 1's state holds a value that cannot be pickled (its save fails in
                      ``stage()``), then every rank saves a good state; every rank reports
                      whether its call raised, how its future failed and how long that took.
+                     ``MODE-stateful``: rank 1's state holds a ``Stateful`` whose
+                     ``state_dict()`` raises (``ours``, or ``path``: a writer per save).
+    lost-group-MODE  every rank saves, then destroys the process group before its save thread
+                     runs; every rank reports how its future failed and what is on disk.
     replayed         one writer per rank, several saves of plain tensors (replicated ones and
                      one of this rank's own) that replay the first save's layout; one save
                      gives a tensor another shape of the same bytes. Each rank reports its
@@ -156,25 +160,38 @@ class Unpicklable:
         raise TypeError(f"this value refuses to be pickled ({CAUSE})")
 
 
+class RaisingStateful:
+    """A ``Stateful`` whose ``state_dict()`` raises (on one rank: at that rank's call)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError(f"state_dict() failed ({CAUSE})")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise AssertionError("not loaded")
+
+
 def _call_error(mode: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from dcp_datastates import DataStatesWriter, async_save
 
+    mode, _, kind = mode.partition("-")
     _init(rank, world_size, port)
     writer = DataStatesWriter(workdir)
     report: dict[str, Any] = {}
     for attempt in ("bad", "good"):
         state = _rank_state(world_size)
         if attempt == "bad" and rank == 1:
-            state["extra"] = Unpicklable()
+            state["extra"] = RaisingStateful() if kind == "stateful" else Unpicklable()
         path = str(workdir / attempt)
         seen: dict[str, Any] = {"raised_at_call": None, "failed": False}
         start = time.monotonic()
         try:
             if mode == "dcp":
                 upload = dcp.async_save(state, storage_writer=writer, checkpoint_id=path)
+            elif mode == "path":
+                upload = async_save(state, path).upload_completion
             else:
                 upload = async_save(state, writer, checkpoint_id=path).upload_completion
         except Exception as exc:
@@ -200,6 +217,58 @@ def _call_error(mode: str, rank: int, world_size: int, port: int, workdir: Path)
     writer.close()
     dist.destroy_process_group()
     return report
+
+
+def _lost_group(mode: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
+    """A script's last save, then ``dist.destroy_process_group()`` at once (a user sweep: DCP
+    then saved each rank as rank 0 of one, and a checkpoint of one rank's state verified OK).
+    The save thread is held until the group is gone."""
+    import threading
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter, api, async_save
+
+    _init(rank, world_size, port)
+    gate = threading.Event()
+    writer = DataStatesWriter(workdir / "unused")
+    path = str(workdir / "last")
+    if mode == "dcp":  # DCP's save thread: its first call into the writer
+        reset = writer.reset
+
+        def held_reset(*args: Any, **kwargs: Any) -> None:
+            assert gate.wait(FUTURE_TIMEOUT_S)
+            reset(*args, **kwargs)
+
+        writer.reset = held_reset  # type: ignore[method-assign]
+        upload = dcp.async_save(_rank_state(world_size), storage_writer=writer, checkpoint_id=path)
+    else:
+        save_staged = api._save_staged
+
+        def held(*args: Any) -> Any:
+            assert gate.wait(FUTURE_TIMEOUT_S)
+            return save_staged(*args)
+
+        api._save_staged = held
+        upload = async_save(_rank_state(world_size), writer, checkpoint_id=path).upload_completion
+    dist.destroy_process_group()
+    gate.set()
+    seen: dict[str, Any] = {"failed": False}
+    try:
+        upload.result(timeout=FUTURE_TIMEOUT_S)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        failures = getattr(exc, "failures", None) or {}
+        seen.update(
+            failed=True,
+            type=type(exc).__name__,
+            message=str(exc),
+            failure_types=sorted(type(e).__name__ for e in failures.values()),
+        )
+    writer.close()
+    seen["files"] = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    print(f"rank {rank}: {seen}", flush=True)
+    return seen
 
 
 def _daemon_figures() -> dict[str, int]:
@@ -330,6 +399,8 @@ def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Pat
         return _errors(scenario[7:], rank, world_size, port, workdir)
     if scenario.startswith("call-error-"):
         return _call_error(scenario[11:], rank, world_size, port, workdir)
+    if scenario.startswith("lost-group-"):
+        return _lost_group(scenario[11:], rank, world_size, port, workdir)
     if scenario == "process-dtensor":
         return _process_dtensor(rank, world_size, port, workdir)
     if scenario == "replayed":

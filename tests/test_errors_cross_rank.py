@@ -142,3 +142,46 @@ def test_a_state_one_rank_cannot_stage_fails_the_save_on_every_rank(
         assert bad["failed_ranks"] == [1], f"{where}: {bad}"
         assert bad["seconds"] < BOUNDED_S, f"{where}: {bad['seconds']:.1f}s"
         assert good is not None and not good["failed"], f"{where}: {good}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["ours", "path"], ids=["a writer", "a path"])
+def test_a_stateful_raising_on_one_rank_fails_the_save_on_every_rank(
+    tmp_path: Path, mode: str
+) -> None:
+    """Rank 1's ``Stateful.state_dict()`` raises in ``dcp_datastates.async_save``. Raised at
+    the call there, it left rank 0's save waiting until the process group's timeout, failing
+    then on a closed connection that named nobody (a user sweep; stock ``dcp.async_save``
+    behaves the same). It now fails rank 1's save, which every rank's future reports."""
+    results = launch_ranks(f"call-error-{mode}-stateful", tmp_path, timeout=140)
+    check_all_ok(results)
+    for r in results:
+        bad, good = r.report["bad"], r.report.get("good")
+        where = f"rank {r.rank}"
+        assert bad["raised_at_call"] is None, f"{where}: {bad['raised_at_call']}"
+        assert bad["type"] == "CheckpointSaveError", f"{where}: {bad}"
+        assert CAUSE in bad["message"] and "state_dict() failed" in bad["message"], where
+        assert bad["failed_ranks"] == [1], f"{where}: {bad}"
+        assert bad["seconds"] < BOUNDED_S, f"{where}: {bad['seconds']:.1f}s"
+        assert good is not None and not good["failed"], f"{where}: {good}"
+
+
+@two_ranks_both_apis
+def test_a_save_whose_process_group_is_destroyed_before_it_runs_commits_nothing(
+    tmp_path: Path, mode: str
+) -> None:
+    """``async_save`` then ``dist.destroy_process_group()`` at once: DCP's save thread found no
+    group and saved each rank as rank 0 of one, into the same files; a checkpoint holding one
+    rank's state verified OK (a user sweep). Now every rank's save fails, nothing is committed,
+    and our own save threads say why."""
+    results = launch_ranks(f"lost-group-{mode}", tmp_path, timeout=140)
+    check_all_ok(results)
+    for r in results:
+        seen, where = r.report, f"rank {r.rank}"
+        assert seen["failed"], f"{where}: {seen}"
+        assert ".metadata" not in seen["files"], f"{where}: {seen}"
+        if mode == "ours":
+            assert seen["type"] == "CheckpointSaveError", f"{where}: {seen}"
+            assert seen["failure_types"] == ["WriterUsageError"], f"{where}: {seen}"
+            assert "was destroyed before its save ran" in seen["message"], f"{where}: {seen}"
