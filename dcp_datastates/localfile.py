@@ -63,6 +63,24 @@ _spare_lock = threading.Lock()
 _MAX_SPARE = 4  # one per file of a rank with the default flush_workers
 
 
+def _after_fork_in_child() -> None:
+    """A process made by ``os.fork()`` maps its own buffers (a parent thread may have held the
+    lock at the fork)."""
+    global _spare_lock
+    _spare_lock = threading.Lock()
+    _spare.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _anonymous() -> mmap.mmap:
+    """A buffer of ``DIRECT_BUFFER`` bytes, page aligned. Private: ``mmap``'s default is shared,
+    and a process forked from this one wrote into the same pages as the files this one was
+    writing from them."""
+    return mmap.mmap(-1, DIRECT_BUFFER, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 def _take_buffer() -> mmap.mmap:
     with _spare_lock:
         while _spare:
@@ -70,7 +88,7 @@ def _take_buffer() -> mmap.mmap:
             if len(buf) == DIRECT_BUFFER:
                 return buf
             buf.close()  # DIRECT_BUFFER was changed (benchmarks do)
-    return mmap.mmap(-1, DIRECT_BUFFER)  # anonymous: page aligned
+    return _anonymous()
 
 
 def _faulted_in(buf: mmap.mmap) -> mmap.mmap:
@@ -94,7 +112,7 @@ def prepare_buffers(count: int) -> int:
         missing = min(count, _MAX_SPARE) - len(_spare)
     for _ in range(max(0, missing)):
         try:
-            buf = _faulted_in(mmap.mmap(-1, DIRECT_BUFFER))
+            buf = _faulted_in(_anonymous())
         except OSError as exc:  # memory exhausted: say what was being mapped and what to do
             raise OSError(
                 exc.errno,

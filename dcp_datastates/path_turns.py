@@ -44,6 +44,17 @@ _turns: dict[str, list[Turn]] = {}
 _local = threading.local()  # .owned: the turn of the save this thread runs
 
 
+def _after_fork_in_child() -> None:
+    """A process made by ``os.fork()`` waits for none of its parent's saves (they run there)."""
+    global _changed, _local
+    _changed = threading.Condition()
+    _turns.clear()
+    _local = threading.local()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def directory_key(path: str | os.PathLike) -> str:
     """The directory ``path`` names, the same however it is spelled (local paths absolute)."""
     path = os.fspath(path)

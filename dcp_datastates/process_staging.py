@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -175,6 +176,15 @@ def _rank() -> int:
 
 _daemon_runtimes: dict[Any, Any] = {}
 _daemon_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:  # the runtimes' threads are the parent's
+    global _daemon_lock
+    _daemon_lock = threading.Lock()
+    _daemon_runtimes.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def daemon_runtime(options: Any, make: Callable[[], Any]) -> Any:

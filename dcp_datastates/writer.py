@@ -291,8 +291,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         staged by calling ``stage()`` directly, which no save will write, is dropped. With
         ``timeout``, saves still open after that many seconds fail with
         :class:`~dcp_datastates.errors.SnapshotAbortedError`. Calling it again is a no-op.
-        A writer unpickled in DCP's checkpoint daemon leaves the daemon's shared runtime open.
+        A writer unpickled in DCP's checkpoint daemon leaves the daemon's shared runtime open;
+        one inherited by a child of ``os.fork()`` is the parent's, and is left alone.
         """
+        if self._runtime.inherited:  # in a child of os.fork(): the parent's, nothing to close
+            self._finalizer.detach()  # (a parent thread may have held the caches' locks)
+            return
         if not self._unpickled:
             self._runtime.close(timeout)
             localfile.release_spare_buffers()

@@ -488,3 +488,19 @@ def test_bytes_copied_in_are_the_ones_written_whatever_their_source_does_next(
             f.queue_buffered()
             f.submit()
     assert (tmp_path / "data.bin").read_bytes() == bytes(expected)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork() is POSIX")
+def test_direct_write_buffers_are_private_to_the_process() -> None:
+    """``mmap``'s anonymous default is shared: a process forked from this one wrote into the
+    pages this one's files were being written from."""
+    buf = localfile._anonymous()
+    buf[:6] = b"parent"
+    pid = os.fork()
+    if pid == 0:  # only a write and an exit in the child
+        buf[:6] = b"child!"
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert buf[:6] == b"parent"
+    buf.close()

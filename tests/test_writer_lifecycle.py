@@ -4,6 +4,7 @@ during a save, options checked at construction, automatic pool size, and per-sav
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import threading
@@ -557,6 +558,26 @@ def test_close_with_a_timeout_before_the_save_thread_claims_fails_that_save_clea
     assert writer.last_failed_stats.checkpoint_id == str(path)
     with pytest.raises(WriterClosedError):  # the next save is refused as a closed writer's
         async_save(state(), writer, no_dist=True)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork() is POSIX")
+def test_a_child_forked_during_a_save_trains_saves_with_its_own_writer_and_exits(
+    tmp_path: Path,
+) -> None:
+    """``os.fork()`` while a save is in flight (a user sweep: the child hung in its forward,
+    in its save, or at exit in the inherited writer's finalizer, on locks and snapshots that
+    are the parent's). In a fresh interpreter (``_fork_worker.py``): the child trains a step,
+    is refused the inherited writer with a clear error, saves through its own, closes both and
+    exits; the parent's save then commits the state at its call."""
+    worker = Path(__file__).with_name("_fork_worker.py")
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", str(worker), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "OK child exit status 0" in done.stdout, done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("how", ["stage", "async_save", "dcp.async_save", "dcp.save"])

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 import time
@@ -596,6 +597,14 @@ _LIVE_SCHEDULERS: weakref.WeakSet[SnapshotScheduler] = weakref.WeakSet()
 _SCHEDULER_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 #: How long the interpreter's exit waits for schedulers to wind down, in all.
 EXIT_WAIT_S = 10.0
+
+
+def _after_fork_in_child() -> None:  # their threads are the parent's: nothing to stop at exit
+    _LIVE_SCHEDULERS.clear()
+    _SCHEDULER_THREADS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register

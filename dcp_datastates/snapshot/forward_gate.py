@@ -18,6 +18,7 @@ on PyTorch's hook-free fast path the rest of the time.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -43,6 +44,21 @@ _handle: Any = None
 #: module forward waits for them, so that it never updates a buffer protect() would freeze.
 _planning: set[Any] = set()
 _released = threading.Condition(_lock)
+
+
+def _after_fork_in_child() -> None:
+    """A process made by ``os.fork()`` protects none of its parent's snapshots: its forwards
+    neither wait for their planning (for good) nor freeze buffers into them."""
+    global _lock, _released
+    _lock = threading.Lock()
+    _released = threading.Condition(_lock)
+    _by_storage.clear()
+    _keys.clear()
+    _visited.clear()
+    _planning.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def hold(session: Any) -> None:

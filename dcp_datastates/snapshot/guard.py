@@ -13,6 +13,7 @@ parts, or ``fence`` is None) the hook waits on the host, as before.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,17 @@ waited_seconds = 0.0
 waits = 0
 #: Steps that were fenced on the device instead of waiting on the host.
 fences = 0
+
+
+def _after_fork_in_child() -> None:
+    """A process made by ``os.fork()`` runs none of its parent's snapshots: its steps wait for
+    none (they waited for good), and a parent thread may have held the lock at the fork."""
+    global _lock
+    _lock = threading.Lock()
+    _pending.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -12,11 +12,20 @@ so the event is made on demand.
 
 from __future__ import annotations
 
+import os
 import threading
 
 #: Guards every latch's flag against a waiter making its event while the flag is set (a wait
 #: that would never return). Held for a few bytecodes; latches are set a few hundred times a save.
 _LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:  # a parent thread may have held it at the fork
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Latch:

@@ -155,12 +155,28 @@ def _deferred_session(rank: int) -> SnapshotSession:
     return SnapshotSession([], pool=None, chunk_bytes=0, coalesce_bytes=0, rank=rank, deferred=True)
 
 
+#: Every runtime of this process, to be disowned in a child made by ``os.fork()``.
+_LIVE_RUNTIMES: weakref.WeakSet[SnapshotRuntime] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for runtime in list(_LIVE_RUNTIMES):
+        runtime._inherited_by_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class SnapshotRuntime:
     """Sessions of one writer across threads; see the module docstring for their lifecycle."""
 
     def __init__(self, options: WriterOptions, name: str) -> None:
         self.options = options
         self.name = name  # the writer's path, for messages
+        #: Inherited by a child made by ``os.fork()``: its threads, sessions and saves are the
+        #: parent's, so in the child it is closed for good and lets go of nothing.
+        self.inherited = False
+        _LIVE_RUNTIMES.add(self)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._unclaimed: _Staged | None = None
@@ -212,7 +228,24 @@ class SnapshotRuntime:
             logger.info("rank %d: host pool of %d bytes", rank, self._resources.pool.capacity)
         return self._resources
 
+    def _inherited_by_fork(self) -> None:
+        """In a child made by ``os.fork()``: the threads are gone, and a parent thread may have
+        held the lock at the fork (a user sweep: the child hung at exit, in the writer's
+        finalizer). Forget the parent's work, without waiting or freeing (the pool's memory is
+        the child's private copy, unmapped with the process)."""
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self.closed = self.inherited = self._released = True
+        self._unclaimed = self._resources = self._planner = self._savers = self._spare = None
+        self._sessions, self._returning = [], []
+        self._dropped_claim = None
+
     def _closed_error(self) -> WriterClosedError:
+        if self.inherited:
+            return WriterClosedError(
+                f"the DataStatesWriter for {self.name} was inherited through os.fork(); it "
+                "saves only in the process that made it: make a new writer in this process"
+            )
         return WriterClosedError(
             f"the DataStatesWriter for {self.name} is closed; make a new writer to save again"
         )
