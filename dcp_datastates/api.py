@@ -153,11 +153,11 @@ def _save_on_writer_threads(
     of its steps; on the caller that costs more than ``stage()`` itself for states of a few
     hundred tensors. The steps are the same: ``Stateful`` values' ``state_dict()`` on the
     caller (``async_save`` did it), the CPU-backend check, ``stage()``, ``dcp.save`` on a save
-    thread, and then the
-    writer is told the caller is returning (``should_synchronize_after_execute``). The save
-    thread's future is the caller's ``upload_completion`` (``_save_staged`` reports a failure
-    as ``async_save``'s relay does): a second future and its callback cost the caller 20 us
-    with caches cold after the last save."""
+    thread, and then the writer is told the caller is returning
+    (``should_synchronize_after_execute``). The save thread's future is the caller's
+    ``upload_completion`` (``_save_staged`` reports a failure as ``async_save``'s relay does):
+    a second future and its callback cost the caller 20 us with caches cold after the last
+    save."""
     unknown = set(kwargs) - _SAVE_KWARGS - {"async_checkpointer_type"}
     if unknown:
         raise TypeError(f"async_save() got unexpected keyword arguments: {sorted(unknown)}")
