@@ -18,9 +18,11 @@ Lifecycle of one save (the state names appear in code, logs and docs)::
                                                     (forward gate);
                                                     optimizer.step() waits for them (the guard).
     PLANNING   DCP save thread        every         reset(id), set_up_storage_writer: claim the
-                                                    staged snapshot; prepare_local_plan: wait
+                                                    staged snapshot (refused if its process
+                                                    group is gone); prepare_local_plan: wait
                                                     for earlier saves to the same directory
-                                                    (path_turns.py), mkdir
+                                                    (path_turns.py), raise the snapshot's error
+                                                    if it failed already, mkdir
                                       coordinator   prepare_global_plan: remove old commit
                                                     records, name each rank's files
     FLUSHING   DCP save thread +      every         write_data: files written as pieces land;
