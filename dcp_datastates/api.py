@@ -9,7 +9,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
@@ -25,6 +24,7 @@ from .stats import SaveStats
 from .writer import (
     _ANNOUNCED,
     DataStatesWriter,
+    _current_rank,
     fails_on_every_rank,
     lost_process_group,
     record_failure,
@@ -245,15 +245,11 @@ def _report_failure(
 ) -> BaseException:
     """A failed save's error as the caller sees it (``_as_error``), recorded in its own
     ``stats`` (``last_stats`` keeps the last good save)."""
-    rank = stats.rank if stats is not None else _this_rank()
+    rank = stats.rank if stats is not None else _current_rank()
     error = _as_error(exc, rank)  # CheckpointException: a BaseException
     if stats is not None:
         record_failure(writer, stats, error)
     return error
-
-
-def _this_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _as_error(exc: BaseException, rank: int) -> CheckpointSaveError:

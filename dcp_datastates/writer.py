@@ -175,11 +175,9 @@ def fails_on_every_rank(error: Exception, call: _dcp_private.AsyncSaveCall) -> b
     this one in DCP's collectives."""
     if isinstance(error, (WriterClosedError, WriterUsageError)):
         return False  # about the writer or the call: the same on every rank
-    if not call.found or call.no_dist or call.mode == "process":
+    if not call.found or call.mode == "process":
         return False
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return dist.get_world_size(call.process_group) > 1
+    return _world_size(call) > 1
 
 
 def _raise(error: BaseException) -> Any:
@@ -805,9 +803,7 @@ def record_failure(writer: DataStatesWriter, stats: SaveStats, error: BaseExcept
 def _expected_write_bytes(items: list, call: _dcp_private.AsyncSaveCall) -> int:
     """Bytes this rank is expected to write: its shards, and its share of replicated items
     (DCP gives each replicated item to one rank, balancing bytes across ranks)."""
-    world = 1
-    if not call.no_dist and dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size(call.process_group)
+    world = _world_size(call)
     total = 0
     for item, provider in items:
         if item.type == WriteItemType.SHARD:
