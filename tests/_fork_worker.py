@@ -5,7 +5,6 @@ import gc
 import os
 import sys
 import threading
-import time
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -62,14 +61,16 @@ if pid == 0:  # the child: its forward and step wait for no snapshot of the pare
     del writer
     gc.collect()
     sys.exit(0)  # atexit handlers and finalizers run
-deadline = time.monotonic() + 60
-while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-    time.sleep(0.05)
-if done[0] == 0:
+ended: list[tuple[int, int]] = []  # waitpid has no timeout: a thread waits, joined with one
+waiter = threading.Thread(target=lambda: ended.append(os.waitpid(pid, 0)), daemon=True)
+waiter.start()
+waiter.join(60)
+if not ended:
     os.kill(pid, 9)
-    os.waitpid(pid, 0)
+    waiter.join()
     print("CHILD: hung", flush=True)
     sys.exit(4)
+done = ended[0]
 gate.set()
 response.upload_completion.result(60)
 loaded = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}}
