@@ -23,6 +23,7 @@ from torch.distributed.checkpoint._extension import (  # noqa: F401 - re-exporte
 )
 from torch.distributed.checkpoint._traverse import set_element  # noqa: F401 - re-exported
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlanner
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,18 @@ PRIVATE_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 # ExtensionRegistry / StreamTransformExtension (re-exported): stock stream transforms
 # (``FileSystemWriter(_extensions=[ZStandard()])``); the reader decodes records that name them
 # in ``_StorageInfo.transform_descriptors`` through the registry, as ``FileSystemReader`` does.
+
+
+def plan_caching_in_use() -> bool:
+    """Whether a save planner in this process caches plans (``DefaultSavePlanner(
+    enable_plan_caching=True)``). The coordinator then plans from the cached local plans of
+    ranks whose plan did not change, ``storage_data`` included, which names the checkpoint of
+    the save they were made for: the writer does not compare the ranks' checkpoints there. The
+    cache is ``SavePlanner._cached_all_plans``, a class attribute filled at the first global
+    plan; should it move, this answers False and the comparison runs with caching too (it would
+    then refuse a save whose ranks' plans changed unevenly, naming an earlier save's path;
+    ``test_dcp_private`` checks the name)."""
+    return bool(getattr(SavePlanner, "_cached_all_plans", None))
 
 
 def no_synchronize_after_execute(cls: type) -> type:

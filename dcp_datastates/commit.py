@@ -15,11 +15,11 @@ import re
 
 import torch
 from crc32c import crc32c
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ._dcp_private import StorageInfo
-from .errors import DataStatesError
+from .errors import DataStatesError, WriterUsageError
 from .format import (
     DATA_SUFFIX,
     METADATA_NAME,
@@ -105,6 +105,7 @@ def commit(
             info: RecordInfo = wr.storage_data
             storage_data[wr.index] = StorageInfo(info.relative_path, info.offset, info.length)
             entries[manifest_key(wr.index.fqn, wr.index.offset)] = info
+    _check_complete(metadata, entries, storage, rank)
     metadata.version = DCP_VERSION
     metadata.storage_data = storage_data
     metadata_blob = pickle.dumps(metadata)
@@ -125,6 +126,35 @@ def commit(
 
     _put(storage, metadata_file, metadata_blob, sync=sync, rank=rank)
     logger.debug("committed %s (%d items)", storage.describe(metadata_file), len(storage_data))
+
+
+def _check_complete(
+    metadata: Metadata, entries: dict[str, RecordInfo], storage: Storage, rank: int | None
+) -> None:
+    """Every item ``metadata`` lists (each chunk of a tensor, each object) was written by a
+    rank, before anything commits. DCP builds the metadata and the ranks' final plans in
+    separate steps; after a save that failed in its global plan, DCP's plan cache
+    (``enable_plan_caching``) handed the next save metadata of one plan and write plans of
+    another, and the checkpoint it committed failed every load with a ``KeyError`` (a user
+    sweep). Chunks without elements need no record."""
+    missing = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            for chunk in md.chunks:
+                key = manifest_key(fqn, chunk.offsets)
+                if key not in entries and all(chunk.sizes):
+                    missing.append(key)
+        elif manifest_key(fqn, None) not in entries:
+            missing.append(manifest_key(fqn, None))
+    if missing:
+        raise WriterUsageError(
+            f"rank {rank}: not committed at {storage.describe('')}: the save's metadata lists "
+            f"{len(missing)} item(s) that no rank wrote ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): the ranks' plans and the metadata came "
+            "from different global plans. DCP's plan cache (enable_plan_caching) does this "
+            "after a save that failed while planning: save again with a planner without "
+            "caching, or restart the processes"
+        )
 
 
 def _check_sizes(storage: Storage, entries: dict[str, RecordInfo], rank: int | None) -> None:

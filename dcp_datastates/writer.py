@@ -23,7 +23,8 @@ Lifecycle of one save (the state names appear in code, logs and docs)::
                                                     for earlier saves to the same directory
                                                     (path_turns.py), raise the snapshot's error
                                                     if it failed already, mkdir
-                                      coordinator   prepare_global_plan: remove old commit
+                                      coordinator   prepare_global_plan: refuse ranks naming
+                                                    different checkpoints, remove old commit
                                                     records, name each rank's files
     FLUSHING   DCP save thread +      every         write_data: files written as pieces land;
                flush threads                        a plain dcp.save (no stage) snapshots here
@@ -167,6 +168,40 @@ class _Save:
     @functools.cached_property
     def storage(self) -> Storage:
         return storage_for(self.path, self.storage_options, direct=self.direct)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankTarget:
+    """A local plan's ``storage_data`` until the global plan: the checkpoint this rank saves
+    to, so that the coordinator refuses a save whose ranks name different checkpoints before
+    any of them writes (a path built from the clock on each rank: each rank's files landed in
+    its own directory and the commit failed on a file missing from the coordinator's)."""
+
+    path: str
+
+
+def _refuse_split_targets(plans: Sequence[SavePlan]) -> None:
+    """Raises ``WriterUsageError`` naming each rank's checkpoint where the ranks' local plans
+    (:class:`_RankTarget`) name more than one."""
+    if _dcp_private.plan_caching_in_use():  # cached plans name earlier saves' checkpoints
+        return
+    ranks_at: dict[str, list[int]] = {}
+    for rank, plan in enumerate(plans):
+        if isinstance(plan.storage_data, _RankTarget):
+            ranks_at.setdefault(plan.storage_data.path, []).append(rank)
+    if len(ranks_at) < 2:
+        return
+    shown = sorted(ranks_at.items(), key=lambda kv: kv[1][0])
+    where = "; ".join(
+        f"rank {ranks[0]}: {path}" + (f" (and {len(ranks) - 1} more ranks)" if ranks[1:] else "")
+        for path, ranks in shown[:4]
+    )
+    more = f"; {len(shown) - 4} more paths" if len(shown) > 4 else ""
+    raise WriterUsageError(
+        f"the ranks of one save name {len(shown)} different checkpoints ({where}{more}); "
+        "nothing was written. Pass every rank the same checkpoint_id: build it on one rank "
+        "(e.g. from the step, not the clock) or broadcast rank 0's"
+    )
 
 
 def fails_on_every_rank(error: Exception, call: _dcp_private.AsyncSaveCall) -> bool:
@@ -619,24 +654,30 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             # every rank before the global plan, which a rank missing items could fail first.
             raise save.session.error
         save.storage.makedirs()
+        if save.is_coordinator and not self.options.overwrite:
+            # Refused in the local step, as stock refuses: an error in the global step leaves
+            # DCP's plan cache (enable_plan_caching) half updated, and the next save then
+            # committed metadata naming items no rank wrote (a user sweep).
+            self._refuse_overwrite(save)
         if is_planned_elsewhere(plan):
             plan = self._writers_plan(save, plan)
         if not save.use_collectives:
             plan = dataclasses.replace(plan, storage_data=f"__{save.rank}_")
+        elif plan.storage_data is None and dist.is_initialized() and dist.get_world_size() > 1:
+            # Several processes: the coordinator checks that every rank names one checkpoint.
+            # (A single rank's plan keeps its identity, which GlobalPlanMemo matches by.)
+            target = _RankTarget(save.storage.describe("").rstrip("/"))
+            plan = dataclasses.replace(plan, storage_data=target)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save = self._save()
+        _refuse_split_targets(plans)  # before anything is removed or written
         # Also the records of a save with the other use_collectives setting: its data files have
         # the same names (a user sweep: overwrite=False saved over one, and an old .metadata
         # was left committing overwritten data).
-        records = _commit.commit_records(save.storage, save.commit_rank)
+        records = self._refuse_overwrite(save)
         if records:
-            if not self.options.overwrite:
-                raise FileExistsError(
-                    f"{save.storage.describe(records[0])} exists and overwrite=False; save to a "
-                    "new path or pass overwrite=True"
-                )
             _commit.uncommit(save.storage, records, sync=self.options.sync_files)
             logger.warning(
                 "overwriting the checkpoint at %s (removed %s first)",
@@ -645,9 +686,20 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             )
         # A plan keeps the prefix it has (a rank's own, without collectives; a cached plan's).
         return [
-            p if p.storage_data is not None else dataclasses.replace(p, storage_data=f"__{i}_")
+            p if isinstance(p.storage_data, str) else dataclasses.replace(p, storage_data=f"__{i}_")
             for i, p in enumerate(plans)
         ]
+
+    def _refuse_overwrite(self, save: _Save) -> list[str]:
+        """The commit records at the save's path (:func:`commit.commit_records`); raises
+        ``FileExistsError`` if there are any and ``overwrite=False``."""
+        records = _commit.commit_records(save.storage, save.commit_rank)
+        if records and not self.options.overwrite:
+            raise FileExistsError(
+                f"{save.storage.describe(records[0])} exists and overwrite=False; save to a "
+                "new path or pass overwrite=True"
+            )
+        return records
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save = self._save()

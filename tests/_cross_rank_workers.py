@@ -15,6 +15,15 @@
                      ``state_dict()`` raises (``ours``, or ``path``: a writer per save).
     lost-group-MODE  every rank saves, then destroys the process group before its save thread
                      runs; every rank reports how its future failed and what is on disk.
+    split-path-MODE  each rank names its own checkpoint directory (a path built from the clock on
+                     each rank), then every rank saves to one path (MODE: ``ours``, ``dcp``
+                     for ``dcp.async_save``, ``sync`` for ``dcp.save``); every rank reports
+                     how its save failed and what each directory holds.
+    cached-plans     ``dcp.save`` with DCP's plan caching on, a writer per save: to ``p0``, to
+                     ``p0`` again with ``overwrite=False`` (refused), to ``p2``, to ``p3``; from
+                     the second on, rank 0's state is bigger (its plan changes, rank 1's does
+                     not, and the replicated item moves to rank 1); every rank reports how each
+                     save failed or what its load gave back.
     replayed         one writer per rank, several saves of plain tensors (replicated ones and
                      one of this rank's own) that replay the first save's layout; one save
                      gives a tensor another shape of the same bytes. Each rank reports its
@@ -271,6 +280,89 @@ def _lost_group(mode: str, rank: int, world_size: int, port: int, workdir: Path)
     return seen
 
 
+def _split_path(mode: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter, async_save
+
+    _init(rank, world_size, port)
+    writer = DataStatesWriter(workdir / "unused")
+    report: dict[str, Any] = {}
+    for attempt, path in (("split", workdir / f"rank{rank}"), ("same", workdir / "same")):
+        seen: dict[str, Any] = {"failed": False}
+        try:
+            if mode == "sync":
+                dcp.save(_rank_state(world_size), storage_writer=writer, checkpoint_id=path)
+            elif mode == "dcp":
+                dcp.async_save(
+                    _rank_state(world_size), storage_writer=writer, checkpoint_id=path
+                ).result(timeout=FUTURE_TIMEOUT_S)
+            else:
+                async_save(
+                    _rank_state(world_size), writer, checkpoint_id=path
+                ).upload_completion.result(timeout=FUTURE_TIMEOUT_S)
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException; reported
+            failures = getattr(exc, "failures", None) or {}
+            causes = [e[0] if isinstance(e, tuple) else e for e in failures.values()]  # DCP's
+            seen.update(  # (exception, traceback) pairs
+                failed=True,
+                type=type(exc).__name__,
+                message=str(exc),
+                failure_types=sorted(type(e).__name__ for e in causes),
+            )
+        report[attempt] = seen
+        print(f"rank {rank}: {attempt}: {seen}", flush=True)
+        dist.barrier()
+    writer.close()
+    report["files"] = {
+        d.name: sorted(os.listdir(d)) for d in sorted(workdir.iterdir()) if d.is_dir()
+    }
+    dist.destroy_process_group()
+    return report
+
+
+def _cached_plans(rank: int, world_size: int, port: int, workdir: Path) -> dict:
+    """DCP's plan caching hands the coordinator the cached local plans of ranks whose plan did
+    not change, ``storage_data`` included: the check that ranks name one checkpoint must not
+    read an earlier save's path there. A save refused for ``overwrite=False`` must not leave
+    DCP's cache half updated (refused in the global plan, it did: the next save committed
+    metadata naming an item no rank wrote)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from dcp_datastates import DataStatesWriter
+
+    _init(rank, world_size, port)
+    report: dict[str, Any] = {}
+    for step, name in enumerate(("p0", "p0", "p2", "p3")):
+        state = {
+            "rep": torch.full((1000,), 1.0 * step),
+            f"own{rank}": torch.full((10,), 1.0 * rank),
+        }
+        if step and rank == 0:  # planned first, it makes rank 0's plan the bigger when DCP's
+            # dedup places "rep", which then moves to rank 1
+            state = {"big0": torch.full((100_000,), float(step)), **state}
+        path = workdir / name
+        writer = DataStatesWriter(path, overwrite=step != 1)  # a writer per save
+        seen: dict[str, Any] = {"failed": False}
+        try:
+            planner = DefaultSavePlanner(enable_plan_caching=True)
+            dcp.save(state, storage_writer=writer, planner=planner)
+            loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+            dcp.load(loaded, checkpoint_id=path)
+            seen["wrong"] = sorted(k for k in state if not torch.equal(loaded[k], state[k]))
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException; reported
+            seen.update(failed=True, type=type(exc).__name__, message=str(exc)[-600:])
+        report[f"step{step}"] = seen
+        print(f"rank {rank}: step {step}: {seen}", flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+    return report
+
+
 def _daemon_figures() -> dict[str, int]:
     """Threads and RSS of DCP's checkpoint daemon (this process's one multiprocessing child)."""
     import multiprocessing
@@ -401,6 +493,10 @@ def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Pat
         return _call_error(scenario[11:], rank, world_size, port, workdir)
     if scenario.startswith("lost-group-"):
         return _lost_group(scenario[11:], rank, world_size, port, workdir)
+    if scenario.startswith("split-path-"):
+        return _split_path(scenario[11:], rank, world_size, port, workdir)
+    if scenario == "cached-plans":
+        return _cached_plans(rank, world_size, port, workdir)
     if scenario == "process-dtensor":
         return _process_dtensor(rank, world_size, port, workdir)
     if scenario == "replayed":

@@ -29,7 +29,13 @@ class Recorder(DataStatesWriter):
 def test_every_private_dcp_name_is_used_only_in_the_one_module() -> None:
     """No other module of the package imports a private DCP module, names a private DCP symbol
     or reads stack frames (docstrings may mention them)."""
-    private = {"_StorageInfo", "_synchronize_after_execute", "_traverse", "_getframe"}
+    private = {
+        "_StorageInfo",
+        "_synchronize_after_execute",
+        "_traverse",
+        "_getframe",
+        "_cached_all_plans",
+    }
     root = Path(__file__).resolve().parent.parent / "dcp_datastates"
     offenders = []
     for path in root.rglob("*.py"):
@@ -55,6 +61,9 @@ def test_the_private_names_still_resolve_in_this_torch() -> None:
     assert _dcp_private._ASYNC_SAVE_CODE is not None
     assert _dcp_private.StorageInfo.__name__ == "_StorageInfo"
     assert DataStatesWriter("/tmp/unused").should_synchronize_after_execute is False
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    assert isinstance(SavePlanner._cached_all_plans, dict)  # plan_caching_in_use() reads it
 
 
 def test_the_probe_recognises_dcp_async_save_and_its_arguments(tmp_path: Path) -> None:

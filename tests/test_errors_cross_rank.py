@@ -187,3 +187,46 @@ def test_a_save_whose_process_group_is_destroyed_before_it_runs_commits_nothing(
             assert seen["type"] == "CheckpointSaveError", f"{where}: {seen}"
             assert seen["failure_types"] == ["WriterUsageError"], f"{where}: {seen}"
             assert "was destroyed before its save ran" in seen["message"], f"{where}: {seen}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["ours", "dcp", "sync"])
+def test_ranks_naming_different_checkpoints_are_refused_before_anything_is_written(
+    tmp_path: Path, mode: str
+) -> None:
+    """Each rank passes its own ``checkpoint_id`` (a path built from the clock on each rank):
+    every rank wrote its data files into its own directory and the coordinator's commit then
+    failed naming rank 1's missing file (a user sweep; stock commits a ``.metadata`` naming
+    files that are not beside it). The global plan now refuses the save on every rank, naming
+    each rank's path, before any file is written; the next save to one path commits."""
+    results = launch_ranks(f"split-path-{mode}", tmp_path, timeout=140)
+    check_all_ok(results)
+    for r in results:
+        split, same, where = r.report["split"], r.report["same"], f"rank {r.rank}"
+        assert split["failed"], f"{where}: {split}"
+        assert split["failure_types"] == ["WriterUsageError"], f"{where}: {split}"
+        for rank in (0, 1):
+            assert f"rank {rank}: {tmp_path / f'rank{rank}'}" in split["message"], where
+        assert not same["failed"], f"{where}: {same}"
+        files = r.report["files"]
+        assert files["rank0"] == [] and files.get("rank1", []) == [], f"{where}: {files}"
+        assert ".metadata" in files["same"], f"{where}: {files}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_plan_caching_survives_a_refused_save_and_saves_to_new_paths(tmp_path: Path) -> None:
+    """With DCP's plan caching the coordinator plans from other ranks' cached local plans,
+    which name the checkpoint of the save they were made for: each save to a new path must
+    still commit and load back. A save refused for ``overwrite=False`` was refused in the global
+    plan, which left DCP's cache half updated: the next save committed a checkpoint that every
+    load failed on (``KeyError: big0``)."""
+    results = launch_ranks("cached-plans", tmp_path, timeout=140)
+    check_all_ok(results)
+    for r in results:
+        refused = r.report["step1"]
+        assert refused["failed"] and "overwrite=False" in refused["message"], refused
+        for step in (0, 2, 3):
+            seen = r.report[f"step{step}"]
+            assert not seen["failed"] and seen["wrong"] == [], f"rank {r.rank}, {step}: {seen}"

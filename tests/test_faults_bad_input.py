@@ -146,3 +146,32 @@ def test_plain_dcp_save_refuses_it_from_the_call_and_writes_no_file(
         dcp.save(state, storage_writer=make_writer(path), no_dist=True)
     assert names in str(raised.value) and error.__name__ in str(raised.value)
     assert data_files(path) == [] and not (path / METADATA_NAME).exists()
+
+
+class _PlanDroppingPlanner(dcp.DefaultSavePlanner):
+    """A planner whose final plan loses an item the global metadata lists: what DCP's plan
+    cache (``enable_plan_caching``) handed a save after one that failed while planning."""
+
+    def finish_plan(self, new_plan: Any) -> Any:
+        plan = super().finish_plan(new_plan)
+        return type(plan)(
+            [i for i in plan.items if i.index.fqn != "b"], plan.storage_data, plan.planner_data
+        )
+
+
+def test_metadata_naming_an_item_no_rank_wrote_is_not_committed(
+    tmp_path: Path, make_writer
+) -> None:
+    """Stock ``FileSystemWriter`` commits such a checkpoint, and every load of it fails with a
+    ``KeyError``; ours refuses the commit, naming the item."""
+    path = tmp_path / "ckpt"
+    state = {"a": torch.ones(3), "b": torch.full((2, 2), 2.0), "obj": {"k": 1}}
+    with pytest.raises(BaseException) as raised:  # DCP's CheckpointException
+        dcp.save(state, storage_writer=make_writer(path), planner=_PlanDroppingPlanner())
+    assert "WriterUsageError" in str(raised.value) and "(b@0,0)" in str(raised.value)
+    assert not (path / METADATA_NAME).exists()
+    # The same planner with the stock writer commits a checkpoint that cannot be loaded.
+    stock = tmp_path / "stock"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(stock), planner=_PlanDroppingPlanner())
+    with pytest.raises(BaseException, match="KeyError"):
+        dcp.load({k: v for k, v in state.items() if k != "obj"}, checkpoint_id=stock)
