@@ -161,6 +161,11 @@ def locate_tensor(read_at: Callable[[int, int], bytes], length: int, where: str)
             f"{where}: the record holds a {type(meta).__name__} where a tensor was saved; the "
             "checkpoint is damaged"
         )
+    if meta.is_conj() or meta.is_neg():
+        # A lazy conjugate or negative view (stock FileSystemWriter saves z.conj() as one):
+        # its bytes are the unconjugated values; torch.load applies the bit (a user sweep:
+        # the raw bytes loaded with the sign lost).
+        raise NotLocatable("a conjugate or negative view: loaded through torch.load")
     storage = meta.untyped_storage()
     data_offset = getattr(storage, "_checkpoint_offset", None)
     if not isinstance(data_offset, int):

@@ -317,3 +317,22 @@ def test_objects_load_through_the_default_planner_and_a_custom_one(tmp_path: Pat
         dcp.load(target, storage_reader=DataStatesReader(tmp_path), planner=planner, no_dist=True)
         assert_same_state(state, target)
     assert sorted(seen) == ["note.lrs", "note.text", "step"]
+
+
+@pytest.mark.parametrize("shape", READ_SHAPES)
+def test_stock_records_of_conjugate_and_negative_views_load_with_their_sign(
+    tmp_path: Path, shape: str
+) -> None:
+    """Stock ``FileSystemWriter`` saves ``z.conj()`` as a lazy conjugate view, whose bytes are
+    the unconjugated values: read in place, they loaded with the sign lost (a user sweep)."""
+    z = torch.randn(300, 700, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+    state = {
+        "conj": z.conj(),  # 1.6 MiB: split into regions with tiny reads
+        "small_conj": z[:2, :3].conj(),
+        "neg": torch._neg_view(torch.arange(1.0, 9.0)),
+    }
+    save(state, tmp_path, "stock")
+    target = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+    read(tmp_path, target, READ_SHAPES[shape])
+    for k, v in state.items():
+        assert torch.equal(target[k], v.resolve_conj().resolve_neg()), k
