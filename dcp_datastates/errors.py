@@ -67,7 +67,8 @@ class SnapshotMutationError(DataStatesError):
             "its bytes changed without a version bump: a module's forward updating a buffer, "
             "such as BatchNorm's running statistics, with guard_forward off, or a write "
             "through .data, .numpy() or a torch.from_numpy view, which the optimizer guard "
-            "cannot hold back"
+            "cannot hold back; or an in-place op still running as its copy ended (its "
+            "version counter moves when it returns)"
             if unversioned
             else f"version {before} -> {after}"
         )

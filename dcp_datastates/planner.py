@@ -31,6 +31,8 @@ class DataStatesSavePlanner(DefaultSavePlanner):
 
     #: ``id(tensor) -> version`` recorded by ``stage()`` when planning runs after it returned.
     versions: dict[int, int] | None = None
+    #: ``id(tensor) -> probes`` read by ``stage()`` (``Capture.probes``).
+    probes: dict[int, list[tuple[int, bytes]]] | None = None
     #: ``id``s of tensors ``stage()`` copied eagerly (``Capture.private``).
     private: set[int] | None = None
 
@@ -54,6 +56,15 @@ class DataStatesSavePlanner(DefaultSavePlanner):
             if recorded is None:
                 recorded = self.versions[id(self.state_dict[item.index.fqn])]
             provider.staged_version(recorded, value)
+            staged = self.probes and (
+                self.probes.get(id(value))
+                or (
+                    item.type is WriteItemType.SHARD
+                    and self.probes.get(id(self.state_dict[item.index.fqn]))
+                )
+            )
+            if staged:
+                provider.staged_probes(staged)
         return provider
 
     def _plain_tensor(self, item: WriteItem) -> torch.Tensor | None:
@@ -129,6 +140,7 @@ def plan_providers(
     versions: dict[int, int] | None = None,
     previous: SavePlan | None = None,
     private: set[int] | None = None,
+    probes: dict[int, list[tuple[int, bytes]]] | None = None,
 ) -> PlannedItems:
     """This rank's write items for ``state_dict`` and their providers, in snapshot order.
 
@@ -137,12 +149,14 @@ def plan_providers(
     tensors' version counters recorded at ``stage()`` (``snapshot/capture.py``), when this runs
     on another thread after it. ``previous``: the local plan of the save before, whose items
     are this save's where DCP's planning would make them again (:func:`replans_to`).
-    ``private``: the tensors ``stage()`` copied eagerly (``Capture.private``).
+    ``private``: the tensors ``stage()`` copied eagerly (``Capture.private``). ``probes``:
+    the big tensors' bytes sampled by ``stage()`` (``Capture.probes``).
     """
     check_state_dict(state_dict)
     planner = DataStatesSavePlanner()
     planner.versions = versions
     planner.private = private
+    planner.probes = probes
     try:
         planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=False)
         if previous is not None and replans_to(previous, planner):

@@ -479,6 +479,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             versions=captured.versions,
             previous=captured.previous_plan,
             private=captured.private,
+            probes=captured.probes,
         )
         captured.local_plan, captured.previous_plan = items.local_plan, None
         return items, _expected_write_bytes(items, call)
@@ -518,7 +519,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if captured is None:  # device tensors, subclasses, objects: planned at each stage()
             return
         captured.resolve()
-        items = plan_providers(captured.state, versions=captured.versions, private=captured.private)
+        items = plan_providers(
+            captured.state,
+            versions=captured.versions,
+            private=captured.private,
+            probes=captured.probes,
+        )
         captured.local_plan = items.local_plan
         self._captures.learn(captured)
 

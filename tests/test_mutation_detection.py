@@ -3,8 +3,10 @@
 ``tensor.data``, ``tensor.numpy()`` and ``torch.from_numpy`` views share a tensor's memory but
 not its version counter, so the version check alone let such a save commit a torn checkpoint.
 Each raw provider also samples 32 bytes at the head, middle and tail of a contiguous CPU tensor
-at stage time and compares them with its copy: a write that changes a sampled byte before the
-copy fails the save. The rest (a write that misses every sampled byte, a non-contiguous or GPU
+(and at the start of each range an elementwise op writes in parallel) at stage time and
+compares them with its copy and, after the copy, with the live tensor: a write that changes a
+sampled byte before the copy ends fails the save, as does an in-place op still running then.
+The rest (a write that misses every sampled byte, a non-contiguous or GPU
 tensor) is the documented limitation, pinned here so that a change in it is noticed.
 
 Each race is deterministic: the parameter's copy waits on a gate that the test opens after
@@ -184,3 +186,67 @@ def test_a_write_after_the_last_part_was_copied_does_not_fail_the_snapshot(
     assert not torch.equal(weight.detach(), at_call)  # written after the copy
     loaded = load_like(tmp_path, {"w": torch.zeros(N)}, "stock")
     assert torch.equal(loaded["w"], at_call)
+
+
+# -- an in-place op still running when the copy ends ---------------------------------------------
+BIG = 1 << 19  # float32 elements: 2 MiB, sampled in stage() (PROBE_AT_CALL_BYTES)
+
+
+@pytest.mark.parametrize("saves", [1, 3], ids=["walked", "replayed"])
+def test_an_in_place_op_still_running_when_planning_starts_fails_the_save(
+    tmp_path: Path, make_writer: Any, saves: int
+) -> None:
+    """``add_`` right after the call: its version counter moves only when it returns, so a copy
+    that overlapped it passed the version check, and the planning thread's samples, read after
+    the op had begun, matched the torn copy: 2-7 of 20 saves committed half-updated tensors (a
+    user sweep). The op is frozen here mid-way, as the planning thread starts: every element of
+    each range it writes in parallel (``probe_offsets``) from the first on is new, the version
+    counter not moved yet. The samples ``stage()`` read find it."""
+    weight = torch.randn(BIG)
+    writer = make_writer(tmp_path / "unused", guard_optimizer_step=False)
+    for i in range(saves - 1):  # earlier saves teach the writer the layout it then replays
+        async_save({"w": weight}, writer, checkpoint_id=tmp_path / f"s{i}", no_dist=True)
+        writer.staging_future.result(EVENT_TIMEOUT_S)
+    version, returning = weight._version, writer._returning_from_async_save
+
+    def op_half_done() -> None:  # each parallel range's first half written, no version bump
+        chunk = -(-BIG // torch.get_num_threads()) if BIG > 32768 else BIG
+        for start in range(0, BIG, chunk):
+            weight.data[start : start + chunk // 2] += 1.0
+        returning()
+
+    writer._returning_from_async_save = op_half_done
+    path = tmp_path / "torn"
+    response = async_save({"w": weight}, writer, checkpoint_id=path, no_dist=True)
+    assert weight._version == version
+    with pytest.raises(CheckpointSaveError) as raised:
+        response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    mutation = failure_of(raised.value, SnapshotMutationError)
+    assert mutation is not None and "still running" in str(mutation), raised.value
+    assert not (path / METADATA_NAME).exists()
+
+
+class _OpStartsDuringItsCopy(TensorProvider):
+    """A real provider whose copy is overlapped by an in-place op that starts after the copy
+    read the sampled bytes: the copy holds them unchanged but later bytes new (a torn copy), and
+    the op's version bump is still to come."""
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, start: int, stop: int) -> None:
+        super()._copy(src, dst, start, stop)
+        if src is self.source:
+            src.data += 1.0  # the op, from the start of each range on; no version bump yet
+            dst.view(torch.float32)[100] += 1.0  # read after the op began; not a sampled byte
+
+
+def test_an_in_place_op_overlapping_the_copy_is_found_by_reading_the_live_samples_again(
+    tmp_path: Path, make_writer: Any, registered_providers: Any
+) -> None:
+    registered_providers(torch.nn.Parameter, _OpStartsDuringItsCopy)
+    weight = torch.nn.Parameter(torch.randn(BIG), requires_grad=False)
+    writer = make_writer(tmp_path, guard_optimizer_step=False)
+    response = async_save({"w": weight}, writer, no_dist=True)
+    with pytest.raises(CheckpointSaveError) as raised:
+        response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    mutation = failure_of(raised.value, SnapshotMutationError)
+    assert mutation is not None and mutation.unversioned, raised.value
+    assert not (tmp_path / METADATA_NAME).exists()

@@ -170,6 +170,27 @@ class TensorProvider:
             return
         self._version = version
 
+    def staged_probes(self, probes: list[tuple[int, bytes]]) -> None:
+        """``probes`` were read from the live tensor in ``stage()``, before the caller could
+        write it: they replace the planning thread's, which an in-place op started right
+        after the call may already have reached."""
+        self._probes = probes
+
+    def _live_changed(self, live: torch.Tensor) -> bool:
+        """Whether the live tensor's sampled bytes changed: an in-place op that is still
+        running (its version counter moves only when it returns) has written the start of one
+        of its ranges (:func:`probe_offsets`), so a copy that overlapped it is found."""
+        return bool(self._probes) and probes_differ(self._probes, live.data_ptr(), 0, self._nbytes)
+
+    def _changed_error(self, live: torch.Tensor) -> SnapshotMutationError:
+        return SnapshotMutationError(
+            fqn=self.fqn,
+            rank=_rank(),
+            before=self._version,
+            after=live._version,
+            unversioned=live._version == self._version,
+        )
+
     def copy_into(self, dst: torch.Tensor, start: int, stop: int) -> None:
         frozen = self._frozen
         live = self.source
@@ -178,15 +199,21 @@ class TensorProvider:
         src = frozen if frozen is not None else live
         assert src is not None
         self._copy(src, dst, start, stop)
-        if src is live and live._version != self._version:
+        verified = src is live and src.is_cpu and dst.is_cpu  # a host copy is done on return
+        # The live tensor read again after the copy: its version counter, and for a host copy
+        # its sampled bytes, which an in-place op still running has changed.
+        changed = verified and self._contiguous and self._live_changed(live)
+        if src is live and (changed or live._version != self._version):
             # A freeze may have run while we copied, and the live tensor changed after it: the
             # frozen copy holds the staged bytes.
             frozen = self._frozen
             if frozen is not None:
                 self._copy(frozen, dst, start, stop)
+                changed = False
         if self._contiguous:
             self._check_probes(dst.data_ptr(), start, stop)
-        verified = src is live and src.is_cpu and dst.is_cpu  # a host copy is done on return
+        if changed:
+            raise self._changed_error(live)
         # Checked before the part counts as done: from then on freeze() leaves the live tensor
         # to the caller's forward, and a write right after it must not fail a snapshot whose
         # bytes were whole (the check after the copy used to see it). The rank is looked up
@@ -265,6 +292,8 @@ class TensorProvider:
             if view.nbytes:
                 self._check_probes(ctypes.addressof(ctypes.c_char.from_buffer(view)), start, stop)
             live = self.source
+            if live is not None and self._live_changed(live):
+                raise self._changed_error(live)
             if live is not None and live._version != self._version:
                 raise SnapshotMutationError(
                     fqn=self.fqn, rank=_rank(), before=self._version, after=live._version
@@ -337,18 +366,45 @@ def storage_key(tensor: torch.Tensor) -> int:
     return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
 
 
-#: Bytes sampled at each of the head, middle and tail of a tensor at stage time (``probe``).
+#: Bytes sampled at each probe offset of a tensor at stage time (``probe``).
 PROBE_BYTES = 32
+#: Elements per task below which ATen runs an elementwise op on one thread
+#: (``at::internal::GRAIN_SIZE``): larger tensors are split into one range per thread.
+_GRAIN = 32768
+#: Tensors of at least this many bytes are probed on the caller's thread in ``stage()``
+#: (``snapshot/capture.py``, ``replay.py``); smaller ones on the planning thread.
+PROBE_AT_CALL_BYTES = 1 << 20
+
+
+def probe_offsets(nbytes: int, itemsize: int) -> list[int]:
+    """Where :func:`probe` samples a contiguous tensor of ``nbytes``: its head, middle and tail,
+    and the start of each range an elementwise in-place op of this process's thread count
+    writes in parallel (ATen splits ``numel`` into ``min(threads, numel / GRAIN)`` equal
+    ranges, each written from its start). An op running while a copy reads the tensor has
+    written the start of at least one range before any other byte (its version counter moves
+    only when it returns), so reading these offsets again after the copy finds it."""
+    if nbytes == 0:
+        return []
+    k = min(PROBE_BYTES, nbytes)
+    offsets = {0, (nbytes // 2) - ((nbytes // 2) % 8), nbytes - k}
+    numel = nbytes // max(1, itemsize)
+    if numel > _GRAIN:
+        tasks = min(torch.get_num_threads(), -(-numel // _GRAIN))
+        chunk = -(-numel // tasks) * itemsize
+        offsets.update(range(chunk, nbytes, chunk))
+    return sorted(offsets)
 
 
 def probe(t: torch.Tensor, nbytes: int) -> list[tuple[int, bytes]]:
-    """``(offset, bytes)`` of the head, middle and tail of a contiguous CPU tensor, read at stage
+    """``(offset, bytes)`` at :func:`probe_offsets` of a contiguous CPU tensor, read at stage
     time (about 4 us per tensor); other tensors are checked by version counter only."""
     if nbytes == 0 or t.device.type != "cpu" or not t.is_contiguous():
         return []
-    ptr, k = t.data_ptr(), min(PROBE_BYTES, nbytes)
-    offsets = sorted({0, (nbytes // 2) - ((nbytes // 2) % 8), nbytes - k})
-    return [(at, ctypes.string_at(ptr + at, min(k, nbytes - at))) for at in offsets]
+    ptr = t.data_ptr()
+    return [
+        (at, ctypes.string_at(ptr + at, min(PROBE_BYTES, nbytes - at)))
+        for at in probe_offsets(nbytes, t.element_size())
+    ]
 
 
 def host_copy(dst: int, src: int, nbytes: int) -> None:

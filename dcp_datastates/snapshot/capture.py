@@ -32,6 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..providers import _REGISTRY
+from ..providers.tensor import PROBE_AT_CALL_BYTES, probe
 from .device import chosen
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -80,6 +81,9 @@ class Capture:
     previous_plan: Any = None
     local_plan: Any = None
     private: set[int] = field(default_factory=set)
+    #: ``id(tensor) -> probes`` (``providers.tensor.probe``) of the contiguous host tensors of
+    #: at least ``PROBE_AT_CALL_BYTES``, read here, before the caller can write them.
+    probes: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
 
     def resolve(self) -> None:
         """Build what a replayed capture left to the planning thread (no-op otherwise)."""
@@ -120,7 +124,12 @@ def capture(state_dict: Mapping[str, Any], *, eager_bytes: int = 0) -> Capture |
         if collecting:
             gc.enable()
     return Capture(
-        state, walker.versions, len(walker.versions), walker.eager, private=walker.private
+        state,
+        walker.versions,
+        len(walker.versions),
+        walker.eager,
+        private=walker.private,
+        probes=walker.probes,
     )
 
 
@@ -138,6 +147,7 @@ class _Walker:
     def __init__(self, eager_bytes: int) -> None:
         self.versions: dict[int, int] = {}
         self.private: set[int] = set()
+        self.probes: dict[int, list[tuple[int, bytes]]] = {}
         self.eager_limit = eager_bytes
         self.eager = 0
 
@@ -152,13 +162,14 @@ class _Walker:
                     raise _Decline  # (on the caller's path, TensorProvider says why)
                 if item.is_nested:
                     raise _Decline
-                if eager:
-                    nbytes = item.nbytes
-                    if 0 < nbytes <= eager:
-                        # A private copy now; the snapshot copies it, nothing else can change it.
-                        item = keep_attributes(item.clone(), item)
-                        self.eager += nbytes
-                        self.private.add(id(item))
+                nbytes = item.nbytes
+                if eager and 0 < nbytes <= eager:
+                    # A private copy now; the snapshot copies it, nothing else can change it.
+                    item = keep_attributes(item.clone(), item)
+                    self.eager += nbytes
+                    self.private.add(id(item))
+                elif nbytes >= PROBE_AT_CALL_BYTES:
+                    self.probes[id(item)] = probe(item, nbytes)
                 versions[id(item)] = item._version
                 out[key] = item
             elif type(item) is DTensor:
@@ -178,6 +189,8 @@ class _Walker:
             self.eager += local.nbytes
             item = DTensor(local.clone(), item._spec, requires_grad=False)
             local = item._local_tensor
+        elif local.nbytes >= PROBE_AT_CALL_BYTES:
+            self.probes[id(item)] = probe(local, local.nbytes)
         self.versions[id(item)] = local._version
         return item
 

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from ..providers import _REGISTRY
+from ..providers.tensor import PROBE_AT_CALL_BYTES, probe
 from .capture import _PLAIN, _SCALARS, Capture, capture, keep_attributes
 from .device import chosen
 from .hostmem import zeroed
@@ -115,6 +116,8 @@ class _Record:
         self.group_kinds: list[tuple[torch.Size, torch.dtype]] = []
         self.big: list[int] = []  # positions of the other tensors
         self.big_nbytes: list[int] = []
+        #: Indices into ``big`` of the tensors probed in ``stage()`` (``PROBE_AT_CALL_BYTES``).
+        self.probed: list[int] = []
         self.scalars: set[int] = set()
         self.eager_bytes = 0
         #: Per group, the buffer the next save stacks into: allocated and faulted in on the
@@ -198,6 +201,7 @@ def _learn(state_dict: Mapping[Any, Any], eager_limit: int) -> _Record | None:
             )
         )
         start = end
+    rec.probed = [i for i, n in enumerate(rec.big_nbytes) if n >= PROBE_AT_CALL_BYTES]
     rec.group_kinds = list(groups)
     rec.groups = list(groups.values())
     rec.small = [pos for group in rec.groups for pos in group]
@@ -277,10 +281,13 @@ class CaptureCache:
         if _has_accelerator() and not all(map(_is_cpu, big)):
             return None  # a tensor moved to a device: its copy needs the device gate
         versions = list(map(_version, big))
+        # The big ones' bytes sampled before the caller can write them (the planning thread's
+        # samples may come after an in-place op started: providers.tensor.probe_offsets).
+        probes = {id(t): probe(t, t.nbytes) for t in map(big.__getitem__, rec.probed)}
         stacks = _stack_groups(rec, values, spare) if rec.groups else []
         if stacks is None:
             return None
-        captured = Capture({}, {}, len(rec.small) + len(big), rec.eager_bytes)
+        captured = Capture({}, {}, len(rec.small) + len(big), rec.eager_bytes, probes=probes)
         captured.finish = lambda: _build(rec, values, stacks, big, versions)
         captured.sizes_held = lambda: list(map(_nbytes, big)) == rec.big_nbytes
         captured.source = state_dict
