@@ -11,6 +11,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from .errors import InvalidStateDictError
 from .providers import (
@@ -49,6 +50,10 @@ class DataStatesSavePlanner(DefaultSavePlanner):
             provider: StateProvider = TensorProvider(item.index.fqn, value, private=True)
         else:
             provider = provider_for(item, value)
+        if item.type is WriteItemType.SHARD and isinstance(provider, TensorProvider):
+            owner = self.state_dict.get(item.index.fqn)
+            if type(owner) is DTensor:  # its in-place ops move its own version counter
+                provider.watch_owner(owner)
         if self.versions is not None and isinstance(provider, TensorProvider):
             # The snapshot must match the tensor as stage() saw it, not as it is now. A shard's
             # version was recorded for its DTensor (the state dict's value at this fqn).

@@ -24,6 +24,9 @@
                      the second on, rank 0's state is bigger (its plan changes, rank 1's does
                      not, and the replicated item moves to rank 1); every rank reports how each
                      save failed or what its load gave back.
+    dtensor-inplace-MODE  an in-place op through a DTensor (``dt[i].fill_``) as the call
+                     returns (before planning starts), which moves the DTensor's own version
+                     counter, not its local tensor's; every rank reports how its save failed.
     replayed         one writer per rank, several saves of plain tensors (replicated ones and
                      one of this rank's own) that replay the first save's layout; one save
                      gives a tensor another shape of the same bytes. Each rank reports its
@@ -363,6 +366,51 @@ def _cached_plans(rank: int, world_size: int, port: int, workdir: Path) -> dict:
     return report
 
 
+def _dtensor_inplace(mode: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dcp_datastates import DataStatesWriter, async_save
+
+    _init(rank, world_size, port)
+    mesh = init_device_mesh("cpu", (world_size,))
+    dt = distribute_tensor(torch.zeros(64, 1024), mesh, [Shard(0)])
+    writer = DataStatesWriter(workdir / "unused", guard_optimizer_step=False)
+    returning = writer._returning_from_async_save
+
+    def written_as_the_call_returns() -> None:
+        with torch.no_grad():
+            dt[3].fill_(7.0)  # one row: none of the sampled bytes of rank 0's shard
+        returning()
+
+    writer._returning_from_async_save = written_as_the_call_returns  # type: ignore[method-assign]
+    path = workdir / "ckpt"
+    seen: dict[str, Any] = {"failed": False}
+    try:
+        if mode == "dcp":
+            dcp.async_save({"dt": dt}, storage_writer=writer, checkpoint_id=path).result(
+                timeout=FUTURE_TIMEOUT_S
+            )
+        else:
+            async_save({"dt": dt}, writer, checkpoint_id=path).upload_completion.result(
+                timeout=FUTURE_TIMEOUT_S
+            )
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException; reported
+        failures = getattr(exc, "failures", None) or {}
+        causes = [e[0] if isinstance(e, tuple) else e for e in failures.values()]
+        seen.update(
+            failed=True,
+            message=str(exc),
+            failure_types=sorted(type(e).__name__ for e in causes),
+        )
+    writer.close()
+    seen["committed"] = (path / ".metadata").exists()
+    print(f"rank {rank}: {seen}", flush=True)
+    return seen
+
+
 def _daemon_figures() -> dict[str, int]:
     """Threads and RSS of DCP's checkpoint daemon (this process's one multiprocessing child)."""
     import multiprocessing
@@ -495,6 +543,8 @@ def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Pat
         return _lost_group(scenario[11:], rank, world_size, port, workdir)
     if scenario.startswith("split-path-"):
         return _split_path(scenario[11:], rank, world_size, port, workdir)
+    if scenario.startswith("dtensor-inplace-"):
+        return _dtensor_inplace(scenario[16:], rank, world_size, port, workdir)
     if scenario == "cached-plans":
         return _cached_plans(rank, world_size, port, workdir)
     if scenario == "process-dtensor":

@@ -230,3 +230,19 @@ def test_plan_caching_survives_a_refused_save_and_saves_to_new_paths(tmp_path: P
         for step in (0, 2, 3):
             seen = r.report[f"step{step}"]
             assert not seen["failed"] and seen["wrong"] == [], f"rank {r.rank}, {step}: {seen}"
+
+
+@two_ranks_both_apis
+def test_an_in_place_op_through_a_dtensor_after_the_call_fails_the_save(
+    tmp_path: Path, mode: str
+) -> None:
+    """``dt[3].fill_(7.0)`` on a DTensor moves the DTensor's own version counter and leaves its
+    local tensor's alone, which was the one checked: the save committed the later value in 7-9
+    of 10 saves (a user sweep). Both counters are checked now."""
+    results = launch_ranks(f"dtensor-inplace-{mode}", tmp_path, timeout=140)
+    check_all_ok(results)
+    for r in results:
+        seen, where = r.report, f"rank {r.rank}"
+        assert seen["failed"] and not seen["committed"], f"{where}: {seen}"
+        assert "SnapshotMutationError" in seen["failure_types"], f"{where}: {seen}"
+        assert "version" in seen["message"], f"{where}: {seen}"

@@ -191,7 +191,8 @@ class _Walker:
             local = item._local_tensor
         elif local.nbytes >= PROBE_AT_CALL_BYTES:
             self.probes[id(item)] = probe(local, local.nbytes)
-        self.versions[id(item)] = local._version
+        # Its own counter too: its in-place ops move it, not the local tensor's.
+        self.versions[id(item)] = local._version + item._version
         return item
 
     def any(self, value: Any) -> Any:
