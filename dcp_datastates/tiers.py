@@ -210,6 +210,12 @@ class TieredCheckpointer:
         for attempt in range(self.upload_attempts):
             try:
                 self._copy(step)
+            except _Superseded:
+                raise MirrorError(
+                    f"step {step} was saved again at {self.local.path(step)} while it was being "
+                    f"uploaded: {self.remote.path(step)} is left uncommitted and the newer "
+                    "save's upload replaces it"
+                ) from None
             except Exception as exc:
                 last = exc
                 logger.warning(
@@ -242,8 +248,7 @@ class TieredCheckpointer:
     def _copy(self, step: int) -> None:
         source = self.local.storage(step)
         target = self.remote.storage(step)
-        with source.open_read(METADATA_NAME) as f:
-            metadata_blob = f.read()
+        metadata_blob = _read(source, METADATA_NAME)
         metadata = load_metadata(io.BytesIO(metadata_blob), source.describe(METADATA_NAME))
         files = sorted({info.relative_path for info in metadata.storage_data.values()})
         target.makedirs()
@@ -253,9 +258,15 @@ class TieredCheckpointer:
         for name in files:
             sizes[name] = _copy_file(source, target, name)
         target.check_sizes(sizes)
-        if source.exists(MANIFEST_NAME):
-            with source.open_read(MANIFEST_NAME) as f:
-                target.put_atomic(MANIFEST_NAME, f.read(), sync=True)
+        manifest = _read(source, MANIFEST_NAME) if source.exists(MANIFEST_NAME) else None
+        # A save of the same step overwrites the local files while they are read: it removes
+        # the local .metadata before writing any data (and commits one of its own, with a new
+        # save id, after), so the same .metadata now means the bytes copied are all its own (a
+        # user sweep: the remote committed a mix of two saves). The remote stays uncommitted.
+        if not source.exists(METADATA_NAME) or _read(source, METADATA_NAME) != metadata_blob:
+            raise _Superseded(step)
+        if manifest is not None:
+            target.put_atomic(MANIFEST_NAME, manifest, sync=True)
         target.put_atomic(METADATA_NAME, metadata_blob, sync=True)
 
     # -- finding and loading -------------------------------------------------------------------
@@ -269,10 +280,26 @@ class TieredCheckpointer:
         return sorted(steps)
 
     def latest(self) -> tuple[int, Tier] | None:
-        """The newest step committed in any tier, and the fastest tier holding it."""
-        held = [(tier, self.committed_steps(tier)) for tier in self.tiers]
+        """The newest step committed in any tier, and the fastest tier holding it. A tier that
+        cannot be listed (the remote unreachable) is left out with a warning, so that a
+        restart loads from the local tier then; raises if the tiers that can be listed hold
+        none."""
+        held: list[tuple[Tier, list[int]]] = []
+        errors: list[Exception] = []
+        for tier in self.tiers:
+            try:
+                held.append((tier, self.committed_steps(tier)))
+            except Exception as exc:
+                errors.append(exc)
+                logger.warning(
+                    "listing %s failed, so its steps are left out of the newest step (%s)",
+                    tier.url,
+                    exc,
+                )
         newest = max((steps[-1] for _, steps in held if steps), default=None)
         if newest is None:
+            if errors:  # "no checkpoint" would be a guess: the unlisted tier may hold some
+                raise errors[0]
             return None
         return newest, next(tier for tier, steps in held if newest in steps)
 
@@ -327,6 +354,10 @@ class TieredCheckpointer:
             with self._lock:
                 busy = self._busy[(tier.url, step)] > 0
                 unsafe = tier is self.local and step not in self._mirrored
+            if unsafe and not busy and self._mirrored_before(step):
+                unsafe = False
+            with self._lock:
+                busy = self._busy[(tier.url, step)] > 0
                 if busy or unsafe:
                     continue
                 self._busy[(tier.url, step)] += 1
@@ -340,6 +371,33 @@ class TieredCheckpointer:
                     self._busy[(tier.url, step)] -= 1
         return deleted
 
+    def _mirrored_before(self, step: int) -> bool:
+        """Whether the remote tier holds ``step`` committed with the local copy's ``.metadata``
+        (the same save): uploaded by this object or an earlier one, whose record of its uploads
+        was lost with its process (a user sweep: after a restart no local step was ever deleted
+        again). Remembered once seen."""
+        try:
+            local = _read(self.local.storage(step), METADATA_NAME)
+            remote = self.remote.storage(step)
+            same = remote.exists(METADATA_NAME) and _read(remote, METADATA_NAME) == local
+        except Exception:
+            logger.warning("could not compare step %d with %s", step, self.remote.path(step))
+            return False
+        if same:
+            with self._lock:
+                self._mirrored.add(step)
+        return same
+
+    def local_only(self) -> list[int]:
+        """Steps committed locally and not (or not as the same save) remotely, oldest first:
+        uploads that failed, here or before a restart. Retention keeps them; :meth:`mirror`
+        uploads one."""
+        return [
+            step
+            for step in self.committed_steps(self.local)
+            if step not in self._mirrored and not self._mirrored_before(step)
+        ]
+
     def wait(self) -> None:
         """Wait until every upload started so far has finished (committed or failed)."""
         self._uploads.submit(lambda: None).result()
@@ -351,6 +409,15 @@ class TieredCheckpointer:
         concurrent.futures.wait(queued)  # local saves in flight queue their uploads first
         self._uploads.shutdown(wait=True)
         self.writer.close()
+
+
+class _Superseded(Exception):
+    """The local checkpoint being uploaded was overwritten by a save of the same step."""
+
+
+def _read(storage: Storage, name: str) -> bytes:
+    with storage.open_read(name) as f:
+        return f.read()
 
 
 def _copy_file(source: Storage, target: Storage, name: str) -> int:

@@ -10,8 +10,10 @@ from typing import Any
 import _s3_server
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from _s3_server import Fault, S3Env
 
+from dcp_datastates import DataStatesReader
 from dcp_datastates.format import METADATA_NAME
 from dcp_datastates.tiers import MirrorError, Tier, TieredCheckpointer
 
@@ -166,3 +168,87 @@ def test_close_right_after_save_still_uploads_and_resolves_remote(
     handle = tiers.save(_state(1), 1)
     tiers.close()  # waits for the local commit, then for the upload it queued
     assert handle.remote.done() and handle.remote.result() == s3.url("run", "step-1")
+
+
+def test_retention_after_a_restart_deletes_local_steps_an_earlier_process_uploaded(
+    tmp_path: Path, s3: S3Env
+) -> None:
+    """The record of what was uploaded lived in the process: after a restart no local step
+    was ever deleted again (a user sweep: keep_local=2 held step-4, step-5, step-7, step-8).
+    A step whose upload failed before the restart stays, and ``local_only`` names it."""
+    first = _tiers(tmp_path, s3, keep_local=2)
+    try:
+        for step in (1, 2, 3):
+            first.save(_state(step), step).remote.result(TIMEOUT)
+        first.wait()
+    finally:
+        first.close()
+    shutil.copytree(tmp_path / "local" / "step-3", tmp_path / "local" / "step-0")  # never uploaded
+    restarted = _tiers(tmp_path, s3, keep_local=2)
+    try:
+        assert restarted.local_only() == [0]
+        for step in (4, 5):
+            restarted.save(_state(step), step).remote.result(TIMEOUT)
+        restarted.wait()
+        assert _local_steps(tmp_path) == ["step-0", "step-4", "step-5"]
+    finally:
+        restarted.close()
+
+
+def test_saving_a_step_again_while_it_uploads_never_commits_a_mix_of_both(
+    tmp_path: Path, s3_proxy: S3Env
+) -> None:
+    """The upload read the local files while the second save of the step overwrote them: the
+    remote committed a mix of both saves, and ``remote`` reported success (a user sweep). The
+    first upload now finds the local checkpoint replaced and leaves the remote uncommitted;
+    the second save's upload commits it."""
+    release = threading.Event()
+    s3_proxy.proxy.faults.append(
+        Fault("PUT", r"run/step-5/__0_0\.distcp", action=lambda: release.wait(TIMEOUT), times=1)
+    )
+    tiers = _tiers(tmp_path, s3_proxy, keep_local=3)
+    try:
+        first = tiers.save(_state(5), 5)
+        first.local.result(TIMEOUT)
+        while not any("step-5/__0_0" in p for _, p in s3_proxy.proxy.requests):
+            threading.Event().wait(0.01)  # the upload has started reading the local files
+        second = tiers.save({"w": torch.full((256, 1024), 55.0), "step": torch.tensor(5)}, 5)
+        second.local.result(TIMEOUT)
+        release.set()
+        with pytest.raises(MirrorError, match="saved again"):
+            first.remote.result(TIMEOUT)
+        second.remote.result(TIMEOUT)
+        out = _state(0)
+        with tiers.reading(tiers.remote, 5) as path:
+            reader = DataStatesReader(path, storage_options=s3_proxy.options())
+            dcp.load(out, storage_reader=reader)
+        assert torch.equal(out["w"], torch.full((256, 1024), 55.0))
+    finally:
+        release.set()
+        tiers.close()
+
+
+def test_a_restart_with_the_remote_unreachable_loads_the_newest_local_step(
+    tmp_path: Path, s3_proxy: S3Env
+) -> None:
+    """Listing the remote failed, and with it ``latest()`` and ``load()``, though the local
+    tier held the newest committed step (a user sweep)."""
+    tiers = _tiers(tmp_path, s3_proxy, keep_local=3)
+    try:
+        for step in (1, 2):
+            tiers.save(_state(step), step).remote.result(TIMEOUT)
+    finally:
+        tiers.close()
+    s3_proxy.proxy.faults.append(
+        Fault("GET", r"list-type=2", status=403, code="AccessDenied", times=None)
+    )
+    restarted = _tiers(tmp_path, s3_proxy, keep_local=3)
+    try:
+        assert restarted.latest() == (2, restarted.local)
+        out = _state(0)
+        assert restarted.load(out) == 2 and torch.equal(out["w"], _state(2)["w"])
+        shutil.rmtree(tmp_path / "local")
+        with pytest.raises(Exception, match="AccessDenied"):  # no tier can be listed
+            restarted.latest()
+    finally:
+        restarted.close()
