@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from . import _signals
 from ._signals import wait_in_slices
 from .api import async_save
 from .errors import CheckpointNotCommittedError
@@ -131,7 +132,6 @@ class Checkpointer:
         self._finished = threading.Event()  # the final checkpoint is committed (or not needed)
         self._watchdog: threading.Thread | None = None
         self.preempted = False
-        self._old_handlers: dict[int, Any] = {}
         signals = tuple(preemption_signals)
         if signals and threading.current_thread() is not threading.main_thread():
             logger.warning(
@@ -140,8 +140,9 @@ class Checkpointer:
                 signals,
             )
             signals = ()
+        self._signals = signals
         for signum in signals:
-            self._old_handlers[signum] = signal.signal(signum, self._on_signal)
+            _signals.subscribe(signum, self)  # with any other checkpointer listening
 
     # -- ranks ---------------------------------------------------------------------------------
     def _dist(self) -> bool:
@@ -335,7 +336,14 @@ class Checkpointer:
         self.wait()
         self.preempted = True
         self._finished.set()
-        if self.exit_on_preemption:
+        # Other checkpointers told of the same signal (a model's and an EMA's) save first: the
+        # last one to finish its final save ends the process.
+        pending = [
+            c
+            for c in _signals.listeners()
+            if c is not self and c._requested.is_set() and not c._finished.is_set()
+        ]
+        if self.exit_on_preemption and not pending:
             raise SystemExit(self.preemption_exit_code)
 
     # -- teardown ------------------------------------------------------------------------------
@@ -344,10 +352,10 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            for signum, handler in self._old_handlers.items():
+            for signum in self._signals:
                 with contextlib.suppress(ValueError):  # not the main thread
-                    signal.signal(signum, handler)
-            self._old_handlers.clear()
+                    _signals.unsubscribe(signum, self)
+            self._signals = ()
             if self._owns_writer:
                 self.writer.close()
 

@@ -161,6 +161,36 @@ def test_requested_preemption_saves_the_current_step(tmp_path: Path) -> None:
     assert step == 6 and loaded == digest(app)
 
 
+def test_every_checkpointer_of_a_process_saves_on_sigterm_and_the_last_one_exits(
+    tmp_path: Path,
+) -> None:
+    """A model's and an EMA's checkpointer in one loop: the second's ``signal.signal`` replaced
+    the first's handler, so SIGTERM made only the EMA's final save (a user sweep), and closing
+    them in the order made left the first one's handler installed. Both hear it now; the first
+    to commit its final save returns, the last ends the process; closed, the handler before
+    them is back."""
+    before = signal.getsignal(signal.SIGTERM)
+    app, ema = _app(), {"w": torch.ones(10)}
+    model_ck = Checkpointer(tmp_path / "model", every_steps=100)
+    ema_ck = Checkpointer(tmp_path / "ema", every_steps=100)
+    try:
+        for step in (1, 2, 3):
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # handled on this (the main) thread
+            train_step(app, step, 1)
+            assert not model_ck.maybe_save(step, {"app": app}) or step == 3
+            if step == 3:
+                assert model_ck.preempted  # its final save returned: the EMA's is pending
+                with pytest.raises(SystemExit):
+                    ema_ck.maybe_save(step, {"ema": ema})
+        assert model_ck.committed_steps() == [3] and ema_ck.committed_steps() == [3]
+        assert signal.getsignal(signal.SIGTERM) is not before
+    finally:
+        model_ck.close()
+        ema_ck.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 # -- real processes ------------------------------------------------------------------------------
 def _spawn(workdir: Path, **env: str) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
