@@ -36,6 +36,9 @@ _TRANSIENT_CODES = frozenset(
     }
 )
 
+#: What to do again later after a request of this kind gave up: only reads and writes of data
+#: are one side's (a listing or a HEAD serves saves and loads alike).
+_AGAIN = {"get_object": "load", "put_object": "save", "upload_part": "save"}
 _HINTS = {
     errno.EACCES: "check the credentials and that they may read and write this prefix",
     errno.ENOENT: "check the bucket name and the endpoint, or create the bucket",
@@ -160,7 +163,10 @@ class _Client:
     ) -> ObjectStoreError:
         where = f"s3://{self.bucket}/{key or ''}"
         if transient:
-            hint = f"gave up after {tries} tries; the store is down or throttling, save again later"
+            again = _AGAIN.get(op, "try")
+            hint = (
+                f"gave up after {tries} tries; the store is down or throttling, {again} again later"
+            )
         else:
             hint = _HINTS.get(number, "not retried (a permanent failure)")
         exc = ObjectStoreError(

@@ -28,6 +28,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import re
@@ -45,8 +46,10 @@ import torch.distributed.checkpoint as dcp
 from . import _signals
 from ._signals import wait_in_slices
 from .api import async_save
+from .compat import STOCK_WRITER_ARGS, unknown_options
 from .errors import CheckpointNotCommittedError
 from .format import METADATA_NAME
+from .options import WriterOptions
 from .reader import DataStatesReader
 from .storage import LocalStorage
 from .writer import DataStatesWriter
@@ -120,10 +123,23 @@ class Checkpointer:
         self.exit_on_preemption = exit_on_preemption
         self.preemption_exit_code = preemption_exit_code
         self.abort_exit_code = abort_exit_code
+        if writer is not None and writer_options:
+            raise ValueError(
+                f"Checkpointer(writer=..., {', '.join(sorted(writer_options))}=...): give the "
+                "options to the writer you pass, or pass no writer"
+            )
         self._owns_writer = writer is None
-        self.writer = (
-            writer if writer is not None else DataStatesWriter(self.root, **writer_options)
-        )
+        try:
+            self.writer = (
+                writer if writer is not None else DataStatesWriter(self.root, **writer_options)
+            )
+        except TypeError as exc:
+            if "unknown option" not in str(exc):
+                raise
+            own = [p for p in inspect.signature(Checkpointer).parameters if p != "writer_options"]
+            known = list(dict.fromkeys([*own[1:], *WriterOptions.names(), *STOCK_WRITER_ARGS]))
+            unknown = sorted(set(writer_options) - set(known))
+            raise unknown_options("Checkpointer", unknown, known) from None
         self._lock = threading.Lock()
         self._in_flight: tuple[int, threading.Event] | None = None
         self._error: BaseException | None = None

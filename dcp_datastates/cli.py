@@ -8,12 +8,15 @@ A checkpoint saved with ``use_collectives=False`` has one commit record per rank
 
 Exit codes: 0 fine; 1 damaged (checksum mismatch, truncated or missing file) or refused by the
 safe-load checks; 2 not committed (no ``.metadata``) or no checkpoint at the path; 3 (``verify``
-only) nothing to verify: a stock DCP checkpoint has no manifest, so no checksums.
+only) nothing to verify: a stock DCP checkpoint has no manifest, so no checksums; 4 the storage
+could not be read (an object store unreachable, no such bucket, access denied): nothing was
+checked.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -46,7 +49,7 @@ from .reader import DataStatesReader
 from .safety import check_relative_path, file_size, load_metadata
 from .storage import FsspecStorage, LocalStorage, storage_for
 
-EXIT_OK, EXIT_DAMAGED, EXIT_NOT_COMMITTED, EXIT_NOTHING_TO_VERIFY = 0, 1, 2, 3
+EXIT_OK, EXIT_DAMAGED, EXIT_NOT_COMMITTED, EXIT_NOTHING_TO_VERIFY, EXIT_UNREADABLE = 0, 1, 2, 3, 4
 _CHUNK = 4 << 20
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)" + re.escape(DATA_SUFFIX) + "$")
 #: When several commit records are checked, the exit code of the worst one.
@@ -90,6 +93,8 @@ def _not_committed(
         )
     elif not names:
         print(f"{path}: NO CHECKPOINT (the directory is empty or does not exist)")
+    elif not files and (inside := _checkpoints_inside(storage, names)):
+        print(f"{path}: NO CHECKPOINT here, but it holds checkpoint directories: {inside}")
     else:
         print(f"{path}: NOT COMMITTED (no {metadata_name(rank)}; {len(files)} data file(s))")
         if rank is not None and METADATA_NAME in names:
@@ -97,6 +102,30 @@ def _not_committed(
         else:
             print("The save that wrote it did not finish; do not load it.")
     return EXIT_NOT_COMMITTED
+
+
+#: Step directories of a ``Checkpointer`` root (``step_00000012``) or of a tier (``step-12``).
+_STEP_DIR = re.compile(r"^step[_-](\d+)$")
+
+
+def _checkpoints_inside(storage: LocalStorage | FsspecStorage, names: list[str]) -> str:
+    """What to run instead, for a directory of step directories (a ``Checkpointer`` root, whose
+    ``latest`` names the newest committed step, or a tier of a ``TieredCheckpointer``); "" for
+    any other directory (a user sweep: ``verify`` on a healthy Checkpointer root said its save
+    had not finished)."""
+    steps = sorted((int(m.group(1)), n) for n in names if (m := _STEP_DIR.match(n)))
+    if not steps:
+        return ""
+    newest = steps[-1][1]
+    if "latest" in names:  # checkpointer.LATEST_NAME, written with the step's number
+        with contextlib.suppress(OSError, ValueError), storage.open_read("latest") as f:
+            step = int(f.read().decode().strip())
+            newest = next((n for s, n in steps if s == step), newest)
+            return (
+                f"{len(steps)} step directories of a Checkpointer, and latest names step "
+                f"{step}: run this on {storage.describe(newest)}"
+            )
+    return f"{len(steps)} step directories, the newest {storage.describe(newest)}"
 
 
 def _read_manifest(
@@ -325,7 +354,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Inspect and verify DCP checkpoints written by dcp_datastates.",
         epilog=(
             "Exit codes: 0 ok, 1 damaged or refused, 2 not committed or no checkpoint at the "
-            "path, 3 nothing to verify."
+            "path, 3 nothing to verify, 4 the storage could not be read."
         ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -362,6 +391,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChecksumMismatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_DAMAGED
+    except OSError as exc:  # the storage itself (a user sweep: a traceback, exit code 1)
+        print(f"error: cannot read {args.path}: {exc}; nothing was checked", file=sys.stderr)
+        return EXIT_UNREADABLE
 
 
 if __name__ == "__main__":

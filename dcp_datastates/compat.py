@@ -11,6 +11,7 @@ transforms, safetensors records), naming the argument.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,19 +93,25 @@ def writer_options(
     ):
         if not isinstance(value, bool):
             raise ValueError(f"DataStatesWriter({name}={value!r}): must be True or False")
-    if not isinstance(per_thread_copy_ahead, int) or per_thread_copy_ahead < 0:
+    if (
+        not isinstance(per_thread_copy_ahead, int)
+        or isinstance(per_thread_copy_ahead, bool)
+        or per_thread_copy_ahead < 0
+    ):
         raise ValueError(
             f"DataStatesWriter(per_thread_copy_ahead={per_thread_copy_ahead!r}): expected a "
             "non-negative int (accepted for compatibility; the host pool bounds copies ahead)"
         )
     unknown = sorted(set(options) - set(WriterOptions.names()))
     if unknown:
-        raise TypeError(
-            f"DataStatesWriter got unknown option(s) {', '.join(unknown)}; the options are "
-            f"{', '.join(WriterOptions.names())}"
-        )
+        raise unknown_options("DataStatesWriter", unknown, WriterOptions.names())
     merged = dict(options, sync_files=sync_files, overwrite=overwrite)
     if thread_count is not None:
+        if not isinstance(thread_count, int) or isinstance(thread_count, bool) or thread_count < 1:
+            raise ValueError(
+                f"DataStatesWriter(thread_count={thread_count!r}): expected an int of at least 1 "
+                "(stock's thread_count is our flush_workers: writing threads per rank)"
+            )
         if "flush_workers" in merged and merged["flush_workers"] != thread_count:
             raise TypeError(
                 f"DataStatesWriter(thread_count={thread_count!r}, "
@@ -155,3 +162,12 @@ __all__ = [
     "stock_stage",
     "writer_options",
 ]
+
+
+def unknown_options(owner: str, unknown: list[str], known: list[str]) -> TypeError:
+    """The error for options ``owner`` does not take, with the nearest known names."""
+    near = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
+    guesses = [f"{u} (did you mean {m[0]}?)" if m else u for u, m in near.items()]
+    return TypeError(
+        f"{owner} got unknown option(s) {', '.join(guesses)}; the options are {', '.join(known)}"
+    )

@@ -121,6 +121,15 @@ def check_state_dict(state_dict: Any, prefix: str = "") -> None:
     if not prefix and not state_dict:
         raise InvalidStateDictError("state dict is empty: there is nothing to checkpoint")
     where = prefix or "<root>"
+    if not prefix and len({type(k) for k in state_dict if type(k) in (int, str)}) > 1:
+        # dcp.load sorts the top-level keys (stock's too): the save worked, every load failed
+        # with "'<' not supported between instances of 'str' and 'int'" (a user sweep).
+        ints = [k for k in state_dict if type(k) is int][:3]
+        raise InvalidStateDictError(
+            f"the state dict's top-level keys mix ints ({', '.join(map(repr, ints))}) and "
+            "strings: dcp.load sorts them and would fail on every load of this checkpoint; "
+            "make them all strings (nested dicts, such as optimizer state, may keep int keys)"
+        )
     names: dict[str, Any] = {}
     for key, value in state_dict.items():
         if isinstance(key, bool) or not isinstance(key, (str, int)):

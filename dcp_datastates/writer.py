@@ -271,7 +271,26 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self.save_id: str | None = None  # the latest save's StorageMeta.save_id
         self.last_stats: SaveStats | None = None
         self.last_failed_stats: SaveStats | None = None
+        # Stock FileSystemWriter's attributes, for code that reads them (accepted, no effect).
+        self.single_file_per_rank = single_file_per_rank
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.cache_staged_state_dict = cache_staged_state_dict
         self._init_runtime_state()
+
+    # Stock FileSystemWriter's attributes that are options of ours (a user sweep: code reading
+    # writer.overwrite or writer.thread_count broke on ours).
+    @property
+    def sync_files(self) -> bool:
+        return self.options.sync_files
+
+    @property
+    def overwrite(self) -> bool:
+        return self.options.overwrite
+
+    @property
+    def thread_count(self) -> int:
+        """Files written in parallel per rank: ``flush_workers``."""
+        return self.options.flush_workers
 
     def _init_runtime_state(self) -> None:
         self._unpickled = False
@@ -302,6 +321,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         return {
             "path": self.path,
             "options": self.options,
+            "single_file_per_rank": self.single_file_per_rank,
+            "per_thread_copy_ahead": self.per_thread_copy_ahead,
+            "cache_staged_state_dict": self.cache_staged_state_dict,
             "last_stats": None,
             "last_failed_stats": None,
             "save_id": None,

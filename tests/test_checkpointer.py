@@ -161,6 +161,21 @@ def test_requested_preemption_saves_the_current_step(tmp_path: Path) -> None:
     assert step == 6 and loaded == digest(app)
 
 
+def test_a_mistyped_option_names_the_checkpointers_own_and_writer_options_go_nowhere(
+    tmp_path: Path,
+) -> None:
+    """``every_step=10`` was refused as an unknown *writer* option, listing the writer's
+    options only; options given beside ``writer=`` were dropped (a user sweep)."""
+    with pytest.raises(TypeError, match=r"every_step \(did you mean every_steps\?\)"):
+        Checkpointer(tmp_path, every_step=10)
+    writer = DataStatesWriter(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="copy_workers"):
+            Checkpointer(tmp_path, writer=writer, copy_workers=1)
+    finally:
+        writer.close()
+
+
 def test_every_checkpointer_of_a_process_saves_on_sigterm_and_the_last_one_exits(
     tmp_path: Path,
 ) -> None:

@@ -102,6 +102,34 @@ def test_writer_takes_every_stock_argument_in_place() -> None:
         assert kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD), name
 
 
+def test_writer_has_the_stock_writers_attributes_and_refuses_bad_values_by_their_name(
+    tmp_path: Path,
+) -> None:
+    """Code reading ``writer.overwrite`` or ``writer.thread_count`` broke on ours, and
+    ``thread_count=0`` was refused as ``flush_workers=0``, a name the user never wrote (a user
+    sweep)."""
+    args = (tmp_path, False, False, 3, 1 << 20, True, False)
+    stock, ours = dcp.FileSystemWriter(*args), DataStatesWriter(*args)
+    try:
+        for name in (
+            "single_file_per_rank",
+            "sync_files",
+            "thread_count",
+            "per_thread_copy_ahead",
+            "cache_staged_state_dict",
+            "overwrite",
+        ):
+            assert getattr(ours, name) == getattr(stock, name), name
+    finally:
+        ours.close()
+    with pytest.raises(ValueError, match=r"thread_count=0"):
+        DataStatesWriter(tmp_path, thread_count=0)
+    with pytest.raises(ValueError, match=r"per_thread_copy_ahead=True"):
+        DataStatesWriter(tmp_path, per_thread_copy_ahead=True)
+    with pytest.raises(TypeError, match=r"live_flsh \(did you mean live_flush\?\)"):
+        DataStatesWriter(tmp_path, live_flsh=True)
+
+
 def test_reader_takes_every_stock_argument_in_place() -> None:
     stock = list(inspect.signature(dcp.FileSystemReader).parameters)
     ours = list(inspect.signature(DataStatesReader).parameters)

@@ -34,6 +34,11 @@ def _cases() -> dict[str, tuple[dict[str, Any], type[BaseException], str]]:
             InvalidStateDictError,
             "'lock'",
         ),
+        "mixed top-level keys": (
+            {1: good, "w": good},
+            InvalidStateDictError,
+            "mix ints (1)",
+        ),
         "tensor subclass": (
             {"w": good.as_subclass(ScaledTensor)},
             InvalidStateDictError,

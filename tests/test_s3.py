@@ -258,3 +258,17 @@ def test_two_gloo_ranks_save_to_s3_and_one_process_loads_it(
         assert torch.equal(target[key], expected[key])
     assert target["meta"] == expected["meta"]
     assert s3.open_uploads() == []
+
+
+def test_cli_says_when_the_store_cannot_be_read_without_a_traceback(
+    s3: S3Env, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing bucket printed a traceback and exit code 1, the code of a damaged checkpoint
+    (a user sweep): a script could not tell an unreachable store from a corrupt checkpoint."""
+    from dcp_datastates import cli
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    for command in ("verify", "inspect"):
+        assert cli.main([command, "s3://no-such-bucket-here/run/step-1"]) == cli.EXIT_UNREADABLE
+        err = capsys.readouterr().err
+        assert "no-such-bucket-here" in err and "nothing was checked" in err, err

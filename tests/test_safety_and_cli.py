@@ -300,6 +300,21 @@ def test_cli_says_when_there_is_no_checkpoint_at_all(tmp_path: Path) -> None:
     assert inspect_missing.returncode == 2 and "NO CHECKPOINT" in inspect_missing.stdout
 
 
+def test_cli_on_a_checkpointer_root_names_the_step_to_run_it_on(tmp_path: Path) -> None:
+    """A Checkpointer's root holds step directories and ``latest``: ``verify`` on it said the
+    save that wrote it did not finish (a user sweep)."""
+    from dcp_datastates.checkpointer import Checkpointer, step_dir_name
+
+    with Checkpointer(tmp_path, every_steps=1, preemption_signals=()) as ck:
+        for step in (1, 2):
+            ck.maybe_save(step, {"w": torch.full((4,), float(step))})
+    verify, inspect = _cli(("verify", tmp_path), ("inspect", tmp_path))
+    for run in (verify, inspect):
+        assert run.returncode == 2 and "NO CHECKPOINT here" in run.stdout, run.stdout
+        assert f"latest names step 2: run this on {tmp_path / step_dir_name(2)}" in run.stdout
+        assert "did not finish" not in run.stdout
+
+
 def test_cli_rank_of_a_checkpoint_saved_with_collectives_says_to_drop_it(ckpt: Path) -> None:
     """``--rank R`` picks ``__R.metadata``; on a checkpoint with a global ``.metadata`` the
     answer "not committed, the save did not finish" sent a user sweep looking for a crash."""

@@ -112,6 +112,8 @@ def capture(state_dict: Mapping[str, Any], *, eager_bytes: int = 0) -> Capture |
     """Record ``state_dict`` for planning on another thread, or ``None`` where it cannot be."""
     if _REGISTRY or chosen() is not None or not isinstance(state_dict, Mapping) or not state_dict:
         return None  # the caller's path refuses a bad state dict with the full message
+    if not all(type(k) is str for k in state_dict):
+        return None  # top-level int keys: the caller's path checks them (check_state_dict)
     walker = _Walker(eager_bytes)
     collecting = gc.isenabled()
     gc.disable()  # the walk allocates a dict per dict; a full collection here costs 0.5 s
