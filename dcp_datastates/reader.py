@@ -90,8 +90,11 @@ class DataStatesReader(StorageReader):
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if io_workers < 1:
-            raise ValueError(f"io_workers must be at least 1, got {io_workers!r}")
+        if not isinstance(io_workers, int) or isinstance(io_workers, bool) or io_workers < 1:
+            raise ValueError(f"io_workers must be an int of at least 1, got {io_workers!r}")
+        for name, value in (("verify", verify), ("trusted", trusted)):
+            if not isinstance(value, bool):  # "no" would be truthy: verify on, trust on
+                raise ValueError(f"DataStatesReader({name}={value!r}): must be True or False")
         self.path = os.fspath(path)
         self.verify = verify
         self.io_workers = io_workers

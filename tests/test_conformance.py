@@ -130,6 +130,12 @@ def test_writer_has_the_stock_writers_attributes_and_refuses_bad_values_by_their
         DataStatesWriter(tmp_path, live_flsh=True)
 
 
+def test_reader_refuses_option_values_that_are_not_what_they_mean(tmp_path: Path) -> None:
+    for bad in ({"verify": "yes"}, {"trusted": 1}, {"io_workers": 0}, {"io_workers": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DataStatesReader(tmp_path, **bad)
+
+
 def test_reader_takes_every_stock_argument_in_place() -> None:
     stock = list(inspect.signature(dcp.FileSystemReader).parameters)
     ours = list(inspect.signature(DataStatesReader).parameters)
