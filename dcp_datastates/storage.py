@@ -192,8 +192,15 @@ class LocalStorage:
         return os.path.exists(self.describe(name))
 
     def remove(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.describe(name))
+        path = self.describe(name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError as exc:  # a bare "[Errno 21] Is a directory" (a user sweep)
+            raise IsADirectoryError(
+                exc.errno, f"{path} is a directory where a checkpoint file belongs; move it away"
+            ) from exc
 
     @contextlib.contextmanager
     def open_write(self, name: str, *, sync: bool) -> Iterator[BinaryIO]:

@@ -231,3 +231,13 @@ def test_a_flipped_byte_loads_silently_when_verification_is_off(
     dcp.load(target, storage_reader=DataStatesReader(tmp_path, verify=False), no_dist=True)
 
     assert target["w"].tolist() == [0, 0, 7, 0, 0, 0, 0, 0]
+
+
+def test_removing_a_file_that_is_a_directory_names_it(tmp_path: Path) -> None:
+    """A ``.metadata`` directory in the checkpoint made a save fail with a bare
+    "[Errno 21] Is a directory" (a user sweep)."""
+    from dcp_datastates.storage import LocalStorage
+
+    (tmp_path / ".metadata").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"\.metadata is a directory where a checkpoint"):
+        LocalStorage(str(tmp_path)).remove(".metadata")
