@@ -177,6 +177,7 @@ def test_a_dropped_writer_gives_back_its_pool_without_the_cyclic_gc(
 @pytest.mark.parametrize(
     ("how", "when"),
     [
+        ("dcp.async_save", "before the local plan"),
         ("dcp.async_save", "before write_data"),
         ("dcp.async_save", "while it flushes"),
         ("dcp.save", "while it snapshots"),
@@ -213,7 +214,18 @@ def test_a_writer_dropped_after_a_failed_save_gives_back_its_pool(
         flushing.set()
         return written
 
+    real_local_plan = DataStatesWriter.prepare_local_plan
+
+    def prepare_local_plan(self: DataStatesWriter, plan):  # type: ignore[no-untyped-def]
+        if when == "before the local plan":  # raised there since the snapshot failed: the
+            # session stayed in the runtime's list, and its error's traceback held the writer
+            session = self._save().session
+            session.staged.result(timeout=EVENT_TIMEOUT_S)
+            assert session.error is not None
+        return real_local_plan(self, plan)
+
     monkeypatch.setattr(DataStatesWriter, "write_data", write_data)
+    monkeypatch.setattr(DataStatesWriter, "prepare_local_plan", prepare_local_plan)
     registered_providers(torch.Tensor, gated)
     tensor = torch.randn(256, 256)
     writer = DataStatesWriter(tmp_path / "c", **SMALL_POOL)
@@ -237,7 +249,7 @@ def test_a_writer_dropped_after_a_failed_save_gives_back_its_pool(
         gate.set()
         changer.join(EVENT_TIMEOUT_S)
     assert failure_of(raised.value, SnapshotMutationError) is not None
-    assert flushing.is_set() == (when != "before write_data")
+    assert flushing.is_set() == (when not in ("before write_data", "before the local plan"))
     # This writer's pool, not a count of all pools: a collection here may free earlier tests'.
     pool = weakref.ref(writer._runtime.pool)
     del writer, raised
