@@ -189,7 +189,7 @@ def test_a_write_after_the_last_part_was_copied_does_not_fail_the_snapshot(
 
 
 # -- an in-place op still running when the copy ends ---------------------------------------------
-BIG = 1 << 19  # float32 elements: 2 MiB, sampled in stage() (PROBE_AT_CALL_BYTES)
+BIG = 1 << 21  # float32 elements: 8 MiB, sampled in stage() (PROBE_AT_CALL_BYTES)
 
 
 @pytest.mark.parametrize("saves", [1, 3], ids=["walked", "replayed"])
