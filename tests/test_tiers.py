@@ -202,16 +202,18 @@ def test_saving_a_step_again_while_it_uploads_never_commits_a_mix_of_both(
     remote committed a mix of both saves, and ``remote`` reported success (a user sweep). The
     first upload now finds the local checkpoint replaced and leaves the remote uncommitted;
     the second save's upload commits it."""
-    release = threading.Event()
-    s3_proxy.proxy.faults.append(
-        Fault("PUT", r"run/step-5/__0_0\.distcp", action=lambda: release.wait(TIMEOUT), times=1)
-    )
+    uploading, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # the upload has started reading the local files
+        uploading.set()
+        release.wait(TIMEOUT)
+
+    s3_proxy.proxy.faults.append(Fault("PUT", r"run/step-5/__0_0\.distcp", action=hold, times=1))
     tiers = _tiers(tmp_path, s3_proxy, keep_local=3)
     try:
         first = tiers.save(_state(5), 5)
         first.local.result(TIMEOUT)
-        while not any("step-5/__0_0" in p for _, p in s3_proxy.proxy.requests):
-            threading.Event().wait(0.01)  # the upload has started reading the local files
+        assert uploading.wait(TIMEOUT)
         second = tiers.save({"w": torch.full((256, 1024), 55.0), "step": torch.tensor(5)}, 5)
         second.local.result(TIMEOUT)
         release.set()
