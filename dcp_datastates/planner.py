@@ -50,10 +50,11 @@ class DataStatesSavePlanner(DefaultSavePlanner):
             provider: StateProvider = TensorProvider(item.index.fqn, value, private=True)
         else:
             provider = provider_for(item, value)
-        if item.type is WriteItemType.SHARD and isinstance(provider, TensorProvider):
-            owner = self.state_dict.get(item.index.fqn)
-            if type(owner) is DTensor:  # its in-place ops move its own version counter
-                provider.watch_owner(owner)
+        # A shard's DTensor (the state dict's value at its fqn): its in-place ops move its own
+        # version counter, and stage() recorded its samples.
+        owner = self.state_dict.get(item.index.fqn) if item.type is WriteItemType.SHARD else None
+        if type(owner) is DTensor and isinstance(provider, TensorProvider):
+            provider.watch_owner(owner)
         if self.versions is not None and isinstance(provider, TensorProvider):
             # The snapshot must match the tensor as stage() saw it, not as it is now. A shard's
             # version was recorded for its DTensor (the state dict's value at this fqn).
@@ -62,11 +63,7 @@ class DataStatesSavePlanner(DefaultSavePlanner):
                 recorded = self.versions[id(self.state_dict[item.index.fqn])]
             provider.staged_version(recorded, value)
             staged = self.probes and (
-                self.probes.get(id(value))
-                or (
-                    item.type is WriteItemType.SHARD
-                    and self.probes.get(id(self.state_dict[item.index.fqn]))
-                )
+                self.probes.get(id(value)) or (owner is not None and self.probes.get(id(owner)))
             )
             if staged:
                 provider.staged_probes(staged)

@@ -352,13 +352,11 @@ class TieredCheckpointer:
         deleted = []
         for step in steps[: max(0, len(steps) - tier.keep)]:  # never the newest: keep >= 1
             with self._lock:
-                busy = self._busy[(tier.url, step)] > 0
                 unsafe = tier is self.local and step not in self._mirrored
-            if unsafe and not busy and self._mirrored_before(step):
-                unsafe = False
+            if unsafe and not self._mirrored_before(step):  # uploaded by an earlier process?
+                continue
             with self._lock:
-                busy = self._busy[(tier.url, step)] > 0
-                if busy or unsafe:
+                if self._busy[(tier.url, step)] > 0:
                     continue
                 self._busy[(tier.url, step)] += 1
             try:
