@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -266,3 +267,20 @@ def test_training_without_floor_blocks_falls_back_to_the_cpu_bound(rec: Recorder
     assert verdict.result == report.MISSED
     assert "limit: 0 (max(0, ckpt CPU - idle CPU)" in verdict.detail
     assert "floor" not in verdict.detail
+
+
+def test_count_points_give_the_judged_system_its_full_count_past_the_repeat_budget(
+    rec: Recorder, tmp_path: Path
+) -> None:
+    """With the repeat budget spent after one save, stock saves once and ours (whose median the
+    many-tensors targets judge in milliseconds) still saves its full count: real saves of a
+    small state, records counted."""
+    state = {"w": torch.arange(64.0), "b": torch.zeros(4), "step": 3}
+    point = {"axis": "count", "bytes": 272, "tensors": 2}
+    saves = {"stock-async": 3, "ours-async-1": 4}
+    scaling._rotate(rec, state, tmp_path, point, saves, repeat_s=0.0, first_round=0)
+    counted = {
+        name: sum(r["system"] == name for r in rec.records)
+        for name in (report.STOCK_ASYNC, report.OURS_FULL)
+    }
+    assert counted == {report.STOCK_ASYNC: 1, report.OURS_FULL: 4}
