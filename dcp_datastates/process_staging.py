@@ -18,7 +18,9 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import pickle
 import threading
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -27,13 +29,73 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .errors import InvalidStateDictError
+from .errors import DataStatesError, InvalidStateDictError, WriterClosedError, WriterUsageError
 from .planner import check_state_dict
 from .providers.tensor import TensorProvider
 from .snapshot import forward_gate as _forward_gate
 from .snapshot import guard as _guard
 
 logger = logging.getLogger(__name__)
+
+
+#: The key (followed by ``/`` and a token) of the one item of the state a rank hands its daemon
+#: when its staging failed in a save of several ranks (``relay_errors``). The daemon's writer
+#: raises the failure in DCP's local planning step (:func:`raise_relayed`), which DCP reports to
+#: every rank, naming this rank and its error. Raised here instead, it reached this rank alone
+#: and the other ranks' daemons waited in DCP's collectives until the process group's timeout.
+FAILED_KEY = "__dcp_datastates_staging_failed__"
+
+#: In DCP's daemon: failures unpickled from the requests, by token, until their plan is made.
+_relayed: dict[str, BaseException] = {}
+
+
+class StagingFailed:
+    """A rank's failed staging, sent to its daemon in place of the state (``FAILED_KEY``)."""
+
+    def __init__(self, error: BaseException) -> None:
+        try:
+            pickle.dumps(error)
+        except Exception:  # noqa: BLE001 - any error that does not pickle is described instead
+            error = DataStatesError(f"staging failed: {type(error).__name__}: {error}")
+        self.error = error
+        self.token = uuid.uuid4().hex
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_received, (self.error, self.token))
+
+
+def _received(error: BaseException, token: str) -> StagingFailed:
+    """Unpickled in the daemon: the failure is kept for the writer's local plan."""
+    failed = StagingFailed.__new__(StagingFailed)
+    failed.error, failed.token = error, token
+    _relayed[token] = error
+    return failed
+
+
+def failed_state(error: BaseException, rank: int) -> dict[str, Any]:
+    logger.error(
+        "rank %d: the state cannot be staged (%s: %s); the save fails on every rank",
+        rank,
+        type(error).__name__,
+        error,
+    )
+    failed = StagingFailed(error)
+    return {f"{FAILED_KEY}/{failed.token}": failed}
+
+
+def raise_relayed(plan: Any) -> None:
+    """In the daemon's local planning step: raise the failure a rank's staging relayed (before
+    the global plan, which the rank's missing shards would fail with a misleading error)."""
+    for item in plan.items:
+        key, _, token = item.index.fqn.partition("/")
+        if key == FAILED_KEY:
+            error = _relayed.pop(token, None)
+            if error is None:
+                error = DataStatesError(
+                    "this rank's staging failed (its error is in the training process's log); "
+                    "nothing was written"
+                )
+            raise error
 
 
 @dataclass
@@ -88,6 +150,36 @@ def stage_for_process(
     guard: bool,
     guard_forward: bool = True,
     eager_copy_bytes: int = 0,
+    relay_errors: bool = False,
+) -> ProcessStaging:
+    """Start copying ``state_dict`` for the daemon. ``relay_errors`` (a save of several ranks):
+    a failure, now or in the copy, becomes the staged state (:func:`failed_state`), so that
+    the daemon's save fails on every rank rather than this rank's alone."""
+    try:
+        return _stage_for_process(
+            state_dict,
+            guard=guard,
+            guard_forward=guard_forward,
+            eager_copy_bytes=eager_copy_bytes,
+            relay_errors=relay_errors,
+        )
+    except Exception as exc:
+        if not relay_errors or isinstance(exc, (WriterClosedError, WriterUsageError)):
+            raise  # about the writer or the call: the same on every rank
+        result: Future[Any] = Future()
+        result.set_result(failed_state(exc, _rank()))
+        staged: Future[None] = Future()
+        staged.set_result(None)
+        return ProcessStaging(result=result, staged=staged)
+
+
+def _stage_for_process(
+    state_dict: dict[str, Any],
+    *,
+    guard: bool,
+    guard_forward: bool,
+    eager_copy_bytes: int,
+    relay_errors: bool,
 ) -> ProcessStaging:
     check_state_dict(state_dict)
     sources: list[TensorProvider] = []  # each live tensor, read through a provider
@@ -98,6 +190,9 @@ def stage_for_process(
         nonlocal total
         if isinstance(value, DTensor):
             local = plan(value.to_local(), fqn)
+            # Its in-place ops (``dt.add_``, ``dt[i].fill_``) move the DTensor's own version
+            # counter, not its local tensor's (``TensorProvider.watch_owner``).
+            sources[-1].watch_owner(value)
             spec = value._spec  # mesh, placements, global shape/stride/dtype: all it takes
             return lambda buf: _StagedDTensor(local(buf), spec)
         if isinstance(value, torch.Tensor):
@@ -146,7 +241,12 @@ def stage_for_process(
                     provider.copy_into(buf[start : start + n], 0, n)
                 provider.check_unchanged(rank)
             result.set_result(staged_dict)
-        except BaseException as exc:  # reaches the caller through DCP's upload future
+        except Exception as exc:  # reaches the caller through DCP's upload future
+            if relay_errors:
+                result.set_result(failed_state(exc, rank))
+            else:
+                result.set_exception(exc)
+        except BaseException as exc:
             result.set_exception(exc)
         finally:
             for provider in sources:

@@ -80,7 +80,7 @@ from .planner import (
     planned_elsewhere,
     provider_from_any_planner,
 )
-from .process_staging import daemon_runtime, stage_for_process
+from .process_staging import daemon_runtime, raise_relayed, stage_for_process
 from .snapshot.capture import Capture
 from .snapshot.engine import SnapshotSession
 from .snapshot.replay import CaptureCache
@@ -387,6 +387,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 guard=self.options.guard_optimizer_step,
                 guard_forward=self.options.guard_forward,
                 eager_copy_bytes=self.options.eager_copy_bytes,
+                relay_errors=call.found and _world_size(call) > 1,
             )
             self._process_staged = staged.staged
             self._local.staged_stats = None
@@ -686,6 +687,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             error = save.session.error
             self._runtime.abort(save.session, error)
             raise error
+        raise_relayed(plan)  # in DCP's daemon: this rank's staging failed (PROCESS executor)
         save.storage.makedirs()
         if save.is_coordinator and not self.options.overwrite:
             # Refused in the local step, as stock refuses: an error in the global step leaves

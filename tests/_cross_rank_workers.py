@@ -27,6 +27,8 @@
     dtensor-inplace-MODE  an in-place op through a DTensor (``dt[i].fill_``) as the call
                      returns (before planning starts), which moves the DTensor's own version
                      counter, not its local tensor's; every rank reports how its save failed.
+                     MODE ``process``: through the PROCESS executor, on rank 1 only
+                     (``dt.add_``), landing before the staging thread's copy.
     replayed         one writer per rank, several saves of plain tensors (replicated ones and
                      one of this rank's own) that replay the first save's layout; one save
                      gives a tensor another shape of the same bytes. Each rank reports its
@@ -386,10 +388,31 @@ def _dtensor_inplace(mode: str, rank: int, world_size: int, port: int, workdir: 
         returning()
 
     writer._returning_from_async_save = written_as_the_call_returns  # type: ignore[method-assign]
+    if mode == "process":  # stage() starts the copy thread: the write lands before its copy
+        import dcp_datastates.process_staging as process_staging
+
+        segment = process_staging.shared_bytes
+
+        def written_before_the_copy(nbytes: int) -> torch.Tensor:
+            if rank == 1:  # one rank's staging fails: the other's must report it too
+                with torch.no_grad():
+                    dt.add_(1.0)  # elementwise on the shard: no collective
+            return segment(nbytes)
+
+        process_staging.shared_bytes = written_before_the_copy
     path = workdir / "ckpt"
     seen: dict[str, Any] = {"failed": False}
     try:
-        if mode == "dcp":
+        if mode == "process":
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            dcp.async_save(
+                {"dt": dt},
+                storage_writer=writer,
+                checkpoint_id=path,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            ).upload_completion.result(timeout=FUTURE_TIMEOUT_S)
+        elif mode == "dcp":
             dcp.async_save({"dt": dt}, storage_writer=writer, checkpoint_id=path).result(
                 timeout=FUTURE_TIMEOUT_S
             )
@@ -399,7 +422,8 @@ def _dtensor_inplace(mode: str, rank: int, world_size: int, port: int, workdir: 
             )
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException; reported
         failures = getattr(exc, "failures", None) or {}
-        causes = [e[0] if isinstance(e, tuple) else e for e in failures.values()]
+        # DCP's (exception, traceback) pairs; the PROCESS executor raises the cause itself
+        causes = [e[0] if isinstance(e, tuple) else e for e in failures.values()] or [exc]
         seen.update(
             failed=True,
             message=str(exc),

@@ -246,3 +246,22 @@ def test_an_in_place_op_through_a_dtensor_after_the_call_fails_the_save(
         assert seen["failed"] and not seen["committed"], f"{where}: {seen}"
         assert "SnapshotMutationError" in seen["failure_types"], f"{where}: {seen}"
         assert "version" in seen["message"], f"{where}: {seen}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_an_in_place_op_through_a_dtensor_fails_a_process_executor_save(tmp_path: Path) -> None:
+    """The PROCESS executor's staging thread checked the local tensor's counter only, so a
+    DTensor's in-place op before its copy was committed; it watches the DTensor's counter too.
+    Here rank 1 alone changes its shard: its staging failure travels to its daemon, which raises
+    it in the local planning step, so both ranks' saves fail naming rank 1 and the change.
+    Raised in rank 1's process alone, rank 0's daemon waited in DCP's collectives for rank 1's
+    and failed naming no cause once rank 1's process ended (or at the process group's
+    timeout, in a job whose rank 1 went on training)."""
+    results = launch_ranks("dtensor-inplace-process", tmp_path, timeout=140)
+    check_all_ok(results)
+    for r in results:
+        seen, where = r.report, f"rank {r.rank}"
+        assert seen["failed"] and not seen["committed"], f"{where}: {seen}"
+        assert seen["failure_types"] == ["SnapshotMutationError"], f"{where}: {seen}"
+        assert "rank 1: tensor 'dt'" in seen["message"], f"{where}: {seen}"

@@ -10,6 +10,7 @@ resolves; the checkpoints must still hold the values at call time.
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,31 @@ def test_the_staging_segment_is_fresh_shared_memory_of_the_size_asked() -> None:
     assert buf.is_shared() and buf.untyped_storage().nbytes() == 3 << 20
     buf[-1] = 7  # writable to its last byte
     assert int(buf[-1]) == 7
+
+
+def test_a_failed_staging_in_a_save_of_several_ranks_is_raised_by_the_daemons_write() -> None:
+    """In a save of several ranks a staging failure is relayed: the staged state names it, and
+    the daemon's writer raises it in the local planning step (DCP then reports it to every
+    rank); the caller's staging does not raise."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from dcp_datastates.errors import InvalidStateDictError
+    from dcp_datastates.process_staging import FAILED_KEY, raise_relayed, stage_for_process
+
+    class Odd(torch.Tensor):
+        pass
+
+    state = {"w": torch.ones(4).as_subclass(Odd)}
+    with pytest.raises(InvalidStateDictError, match="'w'"):  # one rank: raised at the call
+        stage_for_process(state, guard=False)
+    staging = stage_for_process(state, guard=False, relay_errors=True)
+    staged = staging.result.result(timeout=10)
+    assert staging.staged.done() and [k.split("/")[0] for k in staged] == [FAILED_KEY]
+    staged = pickle.loads(pickle.dumps(staged))  # as DCP hands it to its daemon
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(staged, is_coordinator=True)
+    plan = planner.create_local_plan()
+    with pytest.raises(InvalidStateDictError, match="'w'"):
+        raise_relayed(plan)
+    planner.set_up_planner({"w": torch.ones(4)}, is_coordinator=True)  # a good rank's plan
+    raise_relayed(planner.create_local_plan())
