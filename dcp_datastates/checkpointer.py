@@ -47,7 +47,7 @@ from . import _signals
 from ._signals import wait_in_slices
 from .api import async_save
 from .compat import STOCK_WRITER_ARGS, unknown_options
-from .errors import CheckpointNotCommittedError
+from .errors import CheckpointNotCommittedError, CheckpointSaveError
 from .format import METADATA_NAME
 from .options import WriterOptions
 from .reader import DataStatesReader
@@ -181,17 +181,22 @@ class Checkpointer:
         """
         if self.preempted:
             return False  # the final checkpoint is committed; the loop should stop
-        self._raise_pending_error()
-        if self._preemption_agreed():
+        preempted, failed = self._agree()
+        if preempted:
             self._final_save(step, app_state)
             return False
+        self._raise_failed(failed)
         if step % self.every_steps != 0:
             return False
         return self.save(step, app_state)
 
     def save(self, step: int, app_state: dict[str, Any]) -> bool:
-        """Start an async save of ``app_state`` as ``step`` (after the one in flight ends)."""
-        self.wait()
+        """Start an async save of ``app_state`` as ``step`` (after the one in flight ends).
+
+        Call it on every rank. An earlier save's error is raised on every rank, at the same
+        call, and none saves (:meth:`_raise_failed`)."""
+        self._wait_in_flight()
+        self._raise_failed(self._agree(vote_preemption=False)[1])
         if step == self._committed_step:
             return False  # already committed: re-saving would uncommit the one `latest` names
         path = os.path.join(self.root, step_dir_name(step))
@@ -207,38 +212,64 @@ class Checkpointer:
     def _on_done(self, step: int, fut: Future[Any], done: threading.Event) -> None:
         """Runs on DCP's save thread once the save is committed (or failed) on this rank."""
         exc = fut.exception()
+        committed = exc is None
         if exc is None:
             try:
                 if self._rank() == 0:
+                    committed = False
                     LocalStorage(self.root).put_atomic(LATEST_NAME, f"{step}\n".encode(), sync=True)
+                    committed = True  # `latest` names it: a retention failure leaves it so
                     self._purge(step)
             except BaseException as e:  # noqa: BLE001 - reported once through maybe_save/wait
                 exc = e
         with self._lock:
-            if exc is None:
+            if committed:
                 self._committed_step = step
-            else:
-                logger.error("checkpoint of step %d in %s failed: %s", step, self.root, exc)
+            if exc is not None:
+                what = "retention after the checkpoint of" if committed else "checkpoint of"
+                logger.error("%s step %d in %s failed: %s", what, step, self.root, exc)
                 self._error = self._error or exc
             if self._in_flight is not None and self._in_flight[1] is done:
                 self._in_flight = None
         done.set()
 
     def wait(self) -> None:
-        """Wait for the save in flight (committed and ``latest`` moved); raise its error once."""
+        """Wait for the save in flight (committed and ``latest`` moved); raise this rank's error
+        of an earlier save once."""
+        self._wait_in_flight()
+        self._raise_pending_error()
+
+    def _wait_in_flight(self) -> None:
         with self._lock:
             pending = self._in_flight
         if pending is not None:
             # Set at the end of `_on_done`: committed and `latest` moved. In slices: a hung
             # commit must not keep a SIGTERM's handler from running (see _signals).
             wait_in_slices(pending[1].wait)
-        self._raise_pending_error()
 
     def _raise_pending_error(self) -> None:
         with self._lock:
             exc, self._error = self._error, None
         if exc is not None:
             raise exc
+
+    def _raise_failed(self, failed: list[int]) -> None:
+        """Raise an earlier save's error on every rank when ``failed`` (the ranks holding one,
+        agreed by :meth:`_agree`) is not empty.
+
+        Some errors are one rank's alone (rank 0 writes ``latest`` and runs retention): raised
+        there only, that rank skipped the vote and the save the others went on to, which then
+        waited for it in their collectives; a loop that caught the error went on with its
+        collectives paired one call apart. Ranks without an error of their own raise
+        :class:`CheckpointSaveError` naming the ranks that have one."""
+        if not failed:
+            return
+        self._raise_pending_error()
+        raise CheckpointSaveError(
+            f"rank {self._rank()}: an earlier checkpoint failed on rank(s) {failed} (the error "
+            "is raised and logged there); every rank raises at this call, so that they all go "
+            "on in step"
+        )
 
     # -- retention -----------------------------------------------------------------------------
     def _step_dirs(self) -> dict[int, bool]:
@@ -260,10 +291,20 @@ class Checkpointer:
         if self.keep_latest_k == 0:
             return
         committed = [s for s in self.committed_steps() if s <= newest]
+        failed: list[OSError] = []
         for step in committed[: -self.keep_latest_k]:
             path = os.path.join(self.root, step_dir_name(step))
             logger.info("keep_latest_k=%d: deleting checkpoint %s", self.keep_latest_k, path)
-            os.unlink(os.path.join(path, METADATA_NAME))  # uncommit first, then the data
+            try:
+                os.unlink(os.path.join(path, METADATA_NAME))  # uncommit first, then the data
+            except OSError as exc:  # the others are still deleted (one stuck step held all)
+                logger.error("keep_latest_k: could not delete checkpoint %s: %s", path, exc)
+                exc.add_note(
+                    f"keep_latest_k={self.keep_latest_k} could not delete {path}; the other "
+                    "old checkpoints were deleted. Remove it by hand (or fix its permissions)."
+                )
+                failed.append(exc)
+                continue
             shutil.rmtree(path, ignore_errors=True)
         # Older than the newest commit and never committed: no save is in flight when retention
         # runs, so these saves failed or their process died.
@@ -272,6 +313,8 @@ class Checkpointer:
                 path = os.path.join(self.root, step_dir_name(step))
                 logger.warning("deleting %s: its save never committed (it failed or died)", path)
                 shutil.rmtree(path, ignore_errors=True)
+        if failed:
+            raise failed[0]
 
     # -- loading -------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -333,16 +376,23 @@ class Checkpointer:
             )
             os._exit(self.abort_exit_code)
 
-    def _preemption_agreed(self) -> bool:
-        """One all-reduce: a preemption any rank saw is acted on by all, at the same step."""
-        flag = self._requested.is_set()
-        if self._dist():
-            t = torch.tensor([int(flag)])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._vote_group)
-            if t.item() and not flag:
-                self.request_preemption()
-            flag = bool(t.item())
-        return flag
+    def _agree(self, *, vote_preemption: bool = True) -> tuple[bool, list[int]]:
+        """One all-reduce on the vote group: whether any rank saw a preemption (acted on by
+        all, at the same step), and the ranks holding an earlier save's error (raised by all,
+        :meth:`_raise_failed`)."""
+        flag = vote_preemption and self._requested.is_set()
+        with self._lock:
+            failed = self._error is not None
+        if not self._dist():
+            return flag, [0] if failed else []
+        group = self._vote_group
+        t = torch.zeros(1 + dist.get_world_size(group), dtype=torch.uint8)
+        t[0] = int(flag)
+        t[1 + dist.get_rank(group)] = int(failed)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        if t[0] and not flag:
+            self.request_preemption()
+        return bool(t[0]), [int(r) for r in t[1:].nonzero().flatten().tolist()]
 
     def _final_save(self, step: int, app_state: dict[str, Any]) -> None:
         logger.warning("preemption: final checkpoint of step %d in %s", step, self.root)

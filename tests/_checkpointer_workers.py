@@ -119,6 +119,10 @@ def _settings() -> dict[str, Any]:
         # STEP: before that step's save, a thread waits until the main thread sleeps, then
         # SIGTERMs itself (not the process): the signal's C handler runs on that thread.
         "thread_signal": int(e.get("CK_THREAD_SIGNAL", "-1")),
+        # STEP: rank 0 makes ``latest`` a directory before that step's save, so that its own
+        # bookkeeping fails (rank 0's alone); the loop catches what maybe_save raises, records
+        # it, and rank 0 then removes the directory.
+        "break_latest": int(e.get("CK_BREAK_LATEST", "-1")),
     }
 
 
@@ -127,7 +131,7 @@ def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None
     cfg = _settings()
     if world > 1:
         _init(rank, world, port)
-    report: dict[str, Any] = {"ok": False, "digests": {}, "ended": "running"}
+    report: dict[str, Any] = {"ok": False, "digests": {}, "ended": "running", "raised": {}}
     report_path = workdir / f"rank{rank}.json"
     model = Model()
     app = App(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -154,13 +158,30 @@ def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None
             report["digests"][step] = digest(app)
             if cfg["self_signal"] == f"{rank}:{step}":
                 os.kill(os.getpid(), signal.SIGTERM)
-            line = f"step {step} digest {report['digests'][step]} latest {ck.latest_step()}"
+            try:
+                latest = ck.latest_step()
+            except IsADirectoryError:  # CK_BREAK_LATEST
+                latest = "unreadable"
+            line = f"step {step} digest {report['digests'][step]} latest {latest}"
             say(line)
             if step == cfg["thread_signal"]:
                 say("signalling from a thread")
                 signal_from_a_thread_once_main_sleeps(signal.SIGTERM)
+            if rank == 0 and step == cfg["break_latest"]:
+                (root / "latest.tmp-dir").mkdir(parents=True)
+                (root / "latest").unlink(missing_ok=True)
+                (root / "latest.tmp-dir").rename(root / "latest")
+                (root / "latest" / "x").write_text("a directory where the file goes")
             try:
                 ck.maybe_save(step, {"app": app})
+            except Exception as exc:
+                if cfg["break_latest"] < 0:
+                    raise
+                report["raised"][step] = f"{type(exc).__name__}: {exc}"
+                say(f"raised at {step}: {type(exc).__name__}")
+                if rank == 0:
+                    (root / "latest" / "x").unlink()
+                    (root / "latest").rmdir()
             except SystemExit:
                 report["ended"] = f"preempted {step}"
                 say(f"preempted {step}")

@@ -72,6 +72,30 @@ def test_retention_deletes_the_directories_of_saves_that_never_committed(tmp_pat
     assert (tmp_path / "notes").is_dir()
 
 
+def test_retention_deletes_the_other_old_checkpoints_past_one_it_cannot(tmp_path: Path) -> None:
+    """Retention stopped at the first checkpoint it could not delete, and kept every older one
+    after it for good (a user sweep). Step 1's ``.metadata`` is made undeletable (a directory,
+    which ``unlink`` refuses, even to root): step 2 still goes, and each save's error, naming
+    step 1, is raised once."""
+    app = _app()
+    ck = Checkpointer(tmp_path, every_steps=1, keep_latest_k=1)
+    train_step(app, 1, 1)
+    ck.maybe_save(1, {"app": app})
+    ck.wait()
+    metadata = tmp_path / step_dir_name(1) / ".metadata"
+    metadata.unlink()
+    metadata.mkdir()
+    (metadata / "stuck").write_text("")
+    for step in (2, 3):  # each save's retention tries step 1 again, and raises once
+        train_step(app, step, 1)
+        ck.maybe_save(step, {"app": app})
+        with pytest.raises(OSError, match=step_dir_name(1)):
+            ck.wait()
+    assert ck.committed_steps() == [1, 3]
+    assert not (tmp_path / step_dir_name(2)).exists()
+    ck.close()
+
+
 def test_load_latest_without_checkpoint_returns_none(tmp_path: Path) -> None:
     app = _app()
     before = digest(app)
@@ -370,3 +394,29 @@ def test_two_ranks_agree_on_preemption_and_resume(tmp_path: Path, monkeypatch: A
     ref = _reference_digests(9)
     assert [r.report["digests"]["7"] for r in results] == [ref[7]] * 2
     assert [r.report["digests"][s] for r in resumed for s in ("8", "9")] == [ref[8], ref[9]] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_error_on_rank_0_alone_is_raised_by_every_rank_at_the_same_step(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Rank 0's ``latest`` cannot be written (a directory stands there): its error was raised
+    there alone, before the preemption vote, so a loop that caught it had its ranks voting one
+    step apart and the last vote waited for good. Every rank raises it at the same step now
+    (rank 1 naming rank 0), and the loop that goes on saves and finishes on both."""
+    monkeypatch.setenv("CK_EVERY", "5")
+    monkeypatch.setenv("CK_MAX_STEPS", "15")
+    monkeypatch.setenv("CK_BREAK_LATEST", "5")
+    results = launch("train", tmp_path / "run", script=WORKER, timeout=120)
+    check_all_ok(results)
+    assert [r.report["ended"] for r in results] == ["finished", "finished"]
+    raised = [r.report["raised"] for r in results]
+    assert len(raised[0]) == 1 and list(raised[0]) == list(raised[1]), raised
+    (first,) = raised[0].values()
+    assert first.startswith(("IsADirectoryError", "OSError")), first
+    (other,) = raised[1].values()
+    assert other.startswith("CheckpointSaveError") and "rank(s) [0]" in other, other
+    ck = tmp_path / "run" / "ckpt"
+    assert (ck / "latest").read_text().strip() == "15"
+    assert _committed(ck, 15)
