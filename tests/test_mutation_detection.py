@@ -250,3 +250,28 @@ def test_an_in_place_op_overlapping_the_copy_is_found_by_reading_the_live_sample
     mutation = failure_of(raised.value, SnapshotMutationError)
     assert mutation is not None and mutation.unversioned, raised.value
     assert not (tmp_path / METADATA_NAME).exists()
+
+
+@pytest.mark.parametrize("api", ["dcp.async_save", "dcp_datastates.async_save"])
+def test_large_conjugate_and_negative_views_save_unchanged_through_both_async_apis(
+    tmp_path: Path, api: str
+) -> None:
+    """Conjugate and negative views are copied resolved; sampling their raw bytes in
+    ``stage()`` (4 MiB and more) made every async save of one fail as changed (a user sweep).
+    Two saves per writer: the walk, then the replay of its layout."""
+    z = torch.randn(600, 1000, dtype=torch.complex64)  # 4.8 MB
+    x = torch.randn(1100, 1000)  # 4.4 MB
+    state = {"z": z.conj(), "x": torch._neg_view(x), "step": 3}
+    writer = DataStatesWriter(tmp_path / "unused")
+    for i in range(2):
+        path = tmp_path / f"c{i}"
+        if api == "dcp.async_save":
+            dcp.async_save(state, storage_writer=writer, checkpoint_id=path).result()
+        else:
+            async_save(state, writer, checkpoint_id=path).upload_completion.result()
+        loaded = {"z": torch.zeros_like(z), "x": torch.zeros_like(x), "step": 0}
+        dcp.load(loaded, checkpoint_id=path)
+        assert torch.equal(loaded["z"], z.conj().resolve_conj()), f"save {i}"
+        assert torch.equal(loaded["x"], -x), f"save {i}"
+    assert writer._captures.replays == 1
+    writer.close()

@@ -414,8 +414,11 @@ def probe_offsets(nbytes: int, itemsize: int) -> list[int]:
 
 def probe(t: torch.Tensor, nbytes: int) -> list[tuple[int, bytes]]:
     """``(offset, bytes)`` at :func:`probe_offsets` of a contiguous CPU tensor, read at stage
-    time (about 4 us per tensor); other tensors are checked by version counter only."""
-    if nbytes == 0 or t.device.type != "cpu" or not t.is_contiguous():
+    time (about 4 us per tensor); other tensors are checked by version counter only, as are
+    conjugate and negative views, whose provider copies them resolved, bytes that differ from
+    the raw ones sampled here (a user sweep: every async save of one of 4 MiB and more, sampled
+    in ``stage()``, failed as changed)."""
+    if nbytes == 0 or t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return []
     ptr = t.data_ptr()
     return [
