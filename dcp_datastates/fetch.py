@@ -320,6 +320,7 @@ class Fetch:
             whole
             and target.device.type == device
             and target.is_contiguous()
+            and not (target.is_conj() or target.is_neg())  # bytes of the view's base
             and target.dtype == dtype
             and tuple(target.shape) == tuple(sizes)
         )

@@ -117,7 +117,10 @@ def locate_stock_tensor(
     on dtype and shape (the same head our writer uses, see :func:`record_frame`): when the record
     starts with exactly that head, the data follows it, and one small read replaces the parse.
     """
-    frame = record_frame(dtype, size)
+    try:
+        frame = record_frame(dtype, size)
+    except RuntimeError as exc:  # a quantized dtype: torch.save cannot write its head alone
+        raise NotLocatable(f"no plain record of {dtype}: loaded through torch.load") from exc
     if length == frame.length and read_at(0, len(frame.head)) == frame.head:
         probe = torch.empty(size, dtype=dtype, device="meta")
         return StockLayout(
