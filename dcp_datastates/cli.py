@@ -186,6 +186,15 @@ def _describe(path: str, metadata: Metadata, manifest: dict[str, RecordInfo], he
     }
 
 
+def _shown(key: str) -> str:
+    """``key`` on one line: characters that do not print (a newline, a tab, NUL) escaped as
+    Python writes them, so that one key never splits a listing's line (``--json`` escapes them
+    itself)."""
+    if key.isprintable():
+        return key
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in key)
+
+
 def _print_report(report: dict[str, Any], out: TextIO) -> None:
     version = report["format_version"]
     print(f"{report['path']}: committed", file=out)
@@ -207,7 +216,7 @@ def _print_report(report: dict[str, Any], out: TextIO) -> None:
         what = f"{item['dtype']}{item['shape']}" if item["dtype"] is not None else "-"
         where = f"@{item['chunk_offset']}" if item.get("chunk_offset") else ""
         print(
-            f"    {item['fqn']}{where}  {item['kind']}  {what}  {item['bytes']} B  "
+            f"    {_shown(item['fqn'])}{where}  {item['kind']}  {what}  {item['bytes']} B  "
             f"{item['file']}+{item['file_offset']}",
             file=out,
         )
@@ -338,7 +347,7 @@ def _verify(
     if failures:
         print(f"{args.path}{_of(rank)}: DAMAGED: {len(failures)} of {len(manifest)} record(s) fail")
         for name, key, what in failures:
-            print(f"  {name}  {key}  {what}")
+            print(f"  {name}  {_shown(key)}  {what}")
         return EXIT_DAMAGED
     print(f"{args.path}{_of(rank)}: OK: {len(manifest)} record(s) in {len(per_file)} file(s) match")
     return EXIT_OK

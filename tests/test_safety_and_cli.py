@@ -321,3 +321,20 @@ def test_cli_rank_of_a_checkpoint_saved_with_collectives_says_to_drop_it(ckpt: P
     (verify,) = _cli(("verify", ckpt, "--rank", 1))
     assert verify.returncode == 2 and "NOT COMMITTED (no __1.metadata" in verify.stdout
     assert "drop --rank" in verify.stdout and "did not finish" not in verify.stdout
+
+
+def test_cli_inspect_keeps_each_key_on_its_line(
+    tmp_path: Path, make_writer: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Keys holding a newline, a tab or NUL were printed as they are, so one key split the
+    listing's line (a user sweep); they are escaped as Python writes them."""
+    from dcp_datastates.cli import main
+
+    state = {"line\nbreak": torch.ones(2), "tab\tkey": torch.ones(2), "nul\x00": torch.ones(2)}
+    dcp.save(state, storage_writer=make_writer(tmp_path / "c"), no_dist=True)
+    assert main(["inspect", str(tmp_path / "c")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    items = lines[lines.index(next(x for x in lines if x.startswith("  items"))) + 1 :]
+    assert len(items) == 3 and all("float32[2]" in line for line in items), items
+    shown = {line.split()[0].split("@")[0] for line in items}
+    assert shown == {"line\\nbreak", "tab\\tkey", "nul\\x00"}, shown
