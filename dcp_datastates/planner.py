@@ -26,6 +26,10 @@ from .providers.tensor import is_dense, not_dense_error
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
+#: How DCP's ``flatten_state_dict`` refuses two keys flattened to one (torch 2.13).
+_DUPLICATED = "duplicated flatten key "
+
+
 class DataStatesSavePlanner(DefaultSavePlanner):
     """A ``DefaultSavePlanner`` (same flattening, same dedup, same metadata, so stock readers
     understand the result) that also hands out the state provider of each write item."""
@@ -36,6 +40,21 @@ class DataStatesSavePlanner(DefaultSavePlanner):
     probes: dict[int, list[tuple[int, bytes]]] | None = None
     #: ``id``s of tensors ``stage()`` copied eagerly (``Capture.private``).
     private: set[int] | None = None
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        try:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        except ValueError as exc:
+            key = str(exc).removeprefix(_DUPLICATED)
+            if key == str(exc):
+                raise
+            raise InvalidStateDictError(
+                f"two keys of the state dict name one item, {key!r}, once nested keys are "
+                "joined with dots (a nested key and a dotted one, such as {'a': {'b': ...}} "
+                "and 'a.b'); rename one of them"
+            ) from None
 
     def provider(self, item: WriteItem) -> StateProvider:
         if item.type == WriteItemType.BYTE_IO:

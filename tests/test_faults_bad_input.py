@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _faults_util import BOUNDED_S, wait_until
-from conftest import assert_same_state, data_files, load_like
+from conftest import assert_same_state, data_files, failure_of, load_like
 
 from dcp_datastates import DataStatesWriter, InvalidStateDictError, async_save
 from dcp_datastates.format import METADATA_NAME
@@ -180,3 +180,26 @@ def test_metadata_naming_an_item_no_rank_wrote_is_not_committed(
     dcp.save(state, storage_writer=dcp.FileSystemWriter(stock), planner=_PlanDroppingPlanner())
     with pytest.raises(BaseException, match="KeyError"):
         dcp.load({k: v for k, v in state.items() if k != "obj"}, checkpoint_id=stock)
+
+
+@pytest.mark.parametrize("entry", ["async_save(writer)", "dcp.async_save"])
+def test_a_nested_key_and_a_dotted_key_naming_one_item_fail_the_save_naming_it(
+    tmp_path: Path, make_writer, entry: str
+) -> None:
+    """``{"a": {"b": ...}, "a.b": ...}``: both flatten to the item ``a.b``. Found when the save
+    plans (on the planning thread: joining every key on the caller costs it a string a key), it
+    failed as DCP's bare ``ValueError`` (a user sweep); now an ``InvalidStateDictError`` that
+    names the item and what to do, and nothing is committed. (A writer made for one save, from
+    a path, saves through DCP's own planner on DCP's save thread, which still raises its
+    ``ValueError`` first, as stock does.)"""
+    state = {"a": {"b": torch.ones(2)}, "a.b": torch.zeros(2)}
+    writer = make_writer(tmp_path / "unused")
+    path = tmp_path / "ckpt"
+    response = _call(entry, state, path, writer)
+    upload = getattr(response, "upload_completion", response)
+    with pytest.raises(BaseException) as raised:  # noqa: PT011 - DCP's or ours; cause below
+        upload.result(timeout=BOUNDED_S)
+    cause = failure_of(raised.value, InvalidStateDictError)
+    assert cause is not None and "'a.b'" in str(cause) and "rename one" in str(cause), raised
+    assert not (path / METADATA_NAME).exists()
+    _the_writer_still_saves(writer, tmp_path)
