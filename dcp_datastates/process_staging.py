@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .errors import DataStatesError, InvalidStateDictError, WriterClosedError, WriterUsageError
+from .errors import DataStatesError, InvalidStateDictError
 from .planner import check_state_dict
 from .providers.tensor import TensorProvider
 from .snapshot import forward_gate as _forward_gate
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 #: The key (followed by ``/`` and a token) of the one item of the state a rank hands its daemon
-#: when its staging failed in a save of several ranks (``relay_errors``). The daemon's writer
+#: when its staging failed in a save of several ranks (``relay``). The daemon's writer
 #: raises the failure in DCP's local planning step (:func:`raise_relayed`), which DCP reports to
 #: every rank, naming this rank and its error. Raised here instead, it reached this rank alone
 #: and the other ranks' daemons waited in DCP's collectives until the process group's timeout.
@@ -154,22 +154,27 @@ def stage_for_process(
     guard: bool,
     guard_forward: bool = True,
     eager_copy_bytes: int = 0,
-    relay_errors: bool = False,
+    state_error: Exception | None = None,
+    relay: Callable[[Exception], bool] | None = None,
 ) -> ProcessStaging:
-    """Start copying ``state_dict`` for the daemon. ``relay_errors`` (a save of several ranks):
-    a failure, now or in the copy, becomes the staged state (:func:`failed_state`), so that
-    the daemon's save fails on every rank rather than this rank's alone."""
+    """Start copying ``state_dict`` for the daemon. ``state_error``: the state could not be
+    made (a ``Stateful`` raised; ``async_save``). A failure, that one, now or in the copy, for
+    which ``relay`` says yes (``writer.fails_on_every_rank``: a save of several ranks) becomes
+    the staged state (:func:`failed_state`), so that the daemon's save fails on every rank
+    rather than this rank's alone."""
     try:
+        if state_error is not None:
+            raise state_error
         return _stage_for_process(
             state_dict,
             guard=guard,
             guard_forward=guard_forward,
             eager_copy_bytes=eager_copy_bytes,
-            relay_errors=relay_errors,
+            relay=relay,
         )
     except Exception as exc:
-        if not relay_errors or isinstance(exc, (WriterClosedError, WriterUsageError)):
-            raise  # about the writer or the call: the same on every rank
+        if relay is None or not relay(exc):
+            raise
         result: Future[Any] = Future()
         result.set_result(failed_state(exc, _rank()))
         staged: Future[None] = Future()
@@ -183,7 +188,7 @@ def _stage_for_process(
     guard: bool,
     guard_forward: bool,
     eager_copy_bytes: int,
-    relay_errors: bool,
+    relay: Callable[[Exception], bool] | None,
 ) -> ProcessStaging:
     check_state_dict(state_dict)
     sources: list[TensorProvider] = []  # each live tensor, read through a provider
@@ -246,7 +251,7 @@ def _stage_for_process(
                 provider.check_unchanged(rank)
             result.set_result(staged_dict)
         except Exception as exc:  # reaches the caller through DCP's upload future
-            if relay_errors:
+            if relay is not None and relay(exc):
                 result.set_result(failed_state(exc, rank))
             else:
                 result.set_exception(exc)

@@ -207,10 +207,11 @@ def _refuse_split_targets(plans: Sequence[SavePlan]) -> None:
 def fails_on_every_rank(error: Exception, call: _dcp_private.AsyncSaveCall) -> bool:
     """Whether ``stage()`` hands ``error`` (about the state dict) to the save rather than raise
     it: in a save whose ranks plan and commit together, where the other ranks would wait for
-    this one in DCP's collectives."""
+    this one in DCP's collectives. (With the PROCESS executor the staging sends it to the
+    daemon in place of the state: ``process_staging.failed_state``.)"""
     if isinstance(error, (WriterClosedError, WriterUsageError)):
         return False  # about the writer or the call: the same on every rank
-    if not call.found or call.mode == "process":
+    if not call.found:
         return False
     return _world_size(call) > 1
 
@@ -387,7 +388,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 guard=self.options.guard_optimizer_step,
                 guard_forward=self.options.guard_forward,
                 eager_copy_bytes=self.options.eager_copy_bytes,
-                relay_errors=call.found and _world_size(call) > 1,
+                state_error=call.state_error,
+                relay=functools.partial(fails_on_every_rank, call=call),
             )
             self._process_staged = staged.staged
             self._local.staged_stats = None

@@ -168,9 +168,8 @@ def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None
                 say("signalling from a thread")
                 signal_from_a_thread_once_main_sleeps(signal.SIGTERM)
             if rank == 0 and step == cfg["break_latest"]:
-                (root / "latest.tmp-dir").mkdir(parents=True)
                 (root / "latest").unlink(missing_ok=True)
-                (root / "latest.tmp-dir").rename(root / "latest")
+                (root / "latest").mkdir(parents=True)
                 (root / "latest" / "x").write_text("a directory where the file goes")
             try:
                 ck.maybe_save(step, {"app": app})

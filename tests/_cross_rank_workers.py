@@ -12,7 +12,8 @@
                      ``stage()``), then every rank saves a good state; every rank reports
                      whether its call raised, how its future failed and how long that took.
                      ``MODE-stateful``: rank 1's state holds a ``Stateful`` whose
-                     ``state_dict()`` raises (``ours``, or ``path``: a writer per save).
+                     ``state_dict()`` raises (``ours``, ``path``: a writer per save, or ``process``:
+                     one writer, the PROCESS executor).
     lost-group-MODE  every rank saves, then destroys the process group before its save thread
                      runs; every rank reports how its future failed and what is on disk.
     split-path-MODE  each rank names its own checkpoint directory (a path built from the clock on
@@ -187,6 +188,7 @@ class RaisingStateful:
 def _call_error(mode: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     from dcp_datastates import DataStatesWriter, async_save
 
@@ -204,6 +206,11 @@ def _call_error(mode: str, rank: int, world_size: int, port: int, workdir: Path)
         try:
             if mode == "dcp":
                 upload = dcp.async_save(state, storage_writer=writer, checkpoint_id=path)
+            elif mode == "process":
+                executor = AsyncCheckpointerType.PROCESS
+                upload = async_save(
+                    state, writer, checkpoint_id=path, async_checkpointer_type=executor
+                ).upload_completion
             elif mode == "path":
                 upload = async_save(state, path).upload_completion
             else:
@@ -422,8 +429,7 @@ def _dtensor_inplace(mode: str, rank: int, world_size: int, port: int, workdir: 
             )
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException; reported
         failures = getattr(exc, "failures", None) or {}
-        # DCP's (exception, traceback) pairs; the PROCESS executor raises the cause itself
-        causes = [e[0] if isinstance(e, tuple) else e for e in failures.values()] or [exc]
+        causes = [e[0] if isinstance(e, tuple) else e for e in failures.values()]
         seen.update(
             failed=True,
             message=str(exc),

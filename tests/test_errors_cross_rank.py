@@ -156,14 +156,17 @@ def _rank_1_failed_every_save_then_all_saved(
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("mode", ["ours", "path"], ids=["a writer", "a path"])
+@pytest.mark.parametrize(
+    "mode", ["ours", "path", "process"], ids=["a writer", "a path", "the PROCESS executor"]
+)
 def test_a_stateful_raising_on_one_rank_fails_the_save_on_every_rank(
     tmp_path: Path, mode: str
 ) -> None:
     """Rank 1's ``Stateful.state_dict()`` raises in ``dcp_datastates.async_save``. Raised at
     the call there, it left rank 0's save waiting until the process group's timeout, failing
     then on a closed connection that named nobody (a user sweep; stock ``dcp.async_save``
-    behaves the same). It now fails rank 1's save, which every rank's future reports."""
+    behaves the same). It now fails rank 1's save, which every rank's future reports; with the
+    PROCESS executor it travels to rank 1's daemon in place of the state."""
     _rank_1_failed_every_save_then_all_saved(
         f"call-error-{mode}-stateful", tmp_path, "state_dict() failed", "CheckpointSaveError"
     )

@@ -101,7 +101,7 @@ def test_a_failed_staging_in_a_save_of_several_ranks_is_raised_by_the_daemons_wr
     state = {"w": torch.ones(4).as_subclass(Odd)}
     with pytest.raises(InvalidStateDictError, match="'w'"):  # one rank: raised at the call
         stage_for_process(state, guard=False)
-    staging = stage_for_process(state, guard=False, relay_errors=True)
+    staging = stage_for_process(state, guard=False, relay=lambda exc: True)  # several ranks
     staged = staging.result.result(timeout=10)
     assert staging.staged.done() and [k.split("/")[0] for k in staged] == [FAILED_KEY]
     staged = pickle.loads(pickle.dumps(staged))  # as DCP hands it to its daemon
