@@ -267,8 +267,8 @@ class Checkpointer:
         self._raise_pending_error()
         raise CheckpointSaveError(
             f"rank {self._rank()}: an earlier checkpoint failed on rank(s) {failed} (the error "
-            "is raised and logged there); every rank raises at this call, so that they all go "
-            "on in step"
+            "is raised and logged there); every rank raises at this call and none saves this "
+            "step, so that they all go on in step: catch it to go on training"
         )
 
     # -- retention -----------------------------------------------------------------------------
