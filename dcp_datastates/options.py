@@ -115,7 +115,8 @@ class WriterOptions:
         if self.coalesce_bytes > self.chunk_bytes:
             raise ValueError(
                 f"coalesce_bytes={self.coalesce_bytes!r} must not exceed "
-                f"chunk_bytes={self.chunk_bytes!r}"
+                f"chunk_bytes={self.chunk_bytes!r} (tensors are coalesced into one chunk): "
+                f"pass coalesce_bytes={self.chunk_bytes} or less with this chunk_bytes"
             )
         if self.copy_workers is not None:
             _check_int("copy_workers", self.copy_workers, low=1, high=64)

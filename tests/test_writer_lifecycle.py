@@ -681,6 +681,14 @@ BAD_OPTIONS = [
 ]
 
 
+def test_a_small_chunk_bytes_alone_says_to_lower_coalesce_bytes_too(tmp_path: Path) -> None:
+    # A user sweep: chunk_bytes below coalesce_bytes' default (1 MiB) failed naming an option
+    # the caller never passed, with no fix.
+    with pytest.raises(ValueError, match=r"pass coalesce_bytes=262144 or less"):
+        DataStatesWriter(tmp_path, chunk_bytes=256 * 1024)
+    DataStatesWriter(tmp_path, chunk_bytes=256 * 1024, coalesce_bytes=256 * 1024).close()  # fine
+
+
 @pytest.mark.parametrize(("name", "value", "message"), BAD_OPTIONS)
 def test_every_bad_option_fails_at_construction_naming_it(
     tmp_path: Path, name: str, value: object, message: str
