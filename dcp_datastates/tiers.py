@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
 import io
 import logging
 import os
@@ -138,7 +139,9 @@ class TieredCheckpointer:
         self._uploads = concurrent.futures.ThreadPoolExecutor(1, "datastates-mirror")
         self._lock = threading.Lock()
         self._busy: Counter[tuple[str, int]] = Counter()  # (tier url, step) being read/uploaded
-        self._mirrored: set[int] = set()
+        #: step -> digest of the ``.metadata`` of the save of it committed remotely: a step
+        #: saved again (a rollback) is a new save, not mirrored until its own upload commits.
+        self._mirrored: dict[int, bytes] = {}
         self.failed_uploads: dict[int, BaseException] = {}
         self._queued: list[Future[None]] = []  # saves whose local outcome is not handled yet
 
@@ -209,7 +212,7 @@ class TieredCheckpointer:
         last: BaseException | None = None
         for attempt in range(self.upload_attempts):
             try:
-                self._copy(step)
+                blob = self._copy(step)
             except _Superseded:
                 raise MirrorError(
                     f"step {step} was saved again at {self.local.path(step)} while it was being "
@@ -230,7 +233,7 @@ class TieredCheckpointer:
                     time.sleep(min(5.0, 0.2 * 2**attempt))
                 continue
             with self._lock:
-                self._mirrored.add(step)
+                self._mirrored[step] = _digest(blob)
                 self.failed_uploads.pop(step, None)
             logger.info("step %d committed at %s", step, self.remote.path(step))
             return self.remote.path(step)
@@ -245,7 +248,8 @@ class TieredCheckpointer:
         logger.error("%s", err)
         raise err
 
-    def _copy(self, step: int) -> None:
+    def _copy(self, step: int) -> bytes:
+        """Upload committed local ``step``; returns the ``.metadata`` committed remotely."""
         source = self.local.storage(step)
         target = self.remote.storage(step)
         metadata_blob = _read(source, METADATA_NAME)
@@ -268,6 +272,7 @@ class TieredCheckpointer:
         if manifest is not None:
             target.put_atomic(MANIFEST_NAME, manifest, sync=True)
         target.put_atomic(METADATA_NAME, metadata_blob, sync=True)
+        return metadata_blob
 
     # -- finding and loading -------------------------------------------------------------------
     def committed_steps(self, tier: Tier) -> list[int]:
@@ -351,9 +356,7 @@ class TieredCheckpointer:
             return []
         deleted = []
         for step in steps[: max(0, len(steps) - tier.keep)]:  # never the newest: keep >= 1
-            with self._lock:
-                unsafe = tier is self.local and step not in self._mirrored
-            if unsafe and not self._mirrored_before(step):  # uploaded by an earlier process?
+            if tier is self.local and not self._is_mirrored(step):
                 continue
             with self._lock:
                 if self._busy[(tier.url, step)] > 0:
@@ -369,13 +372,23 @@ class TieredCheckpointer:
                     self._busy[(tier.url, step)] -= 1
         return deleted
 
-    def _mirrored_before(self, step: int) -> bool:
-        """Whether the remote tier holds ``step`` committed with the local copy's ``.metadata``
-        (the same save): uploaded by this object or an earlier one, whose record of its uploads
-        was lost with its process (a user sweep: after a restart no local step was ever deleted
-        again). Remembered once seen."""
+    def _is_mirrored(self, step: int) -> bool:
+        """Whether the remote tier holds the save of ``step`` that is committed locally now
+        (the same ``.metadata``): uploaded by this object, or by an earlier one whose record of
+        its uploads was lost with its process (a user sweep: after a restart no local step was
+        ever deleted again). A step saved again is a new save: the record of the previous
+        one's upload does not count for it (a user sweep: a rolled-back step whose new upload
+        failed was deleted locally, the only copy of that save)."""
         try:
             local = _read(self.local.storage(step), METADATA_NAME)
+        except Exception:
+            logger.warning("could not read %s; it counts as not uploaded", self.local.path(step))
+            return False
+        digest = _digest(local)
+        with self._lock:
+            if self._mirrored.get(step) == digest:
+                return True
+        try:
             remote = self.remote.storage(step)
             same = remote.exists(METADATA_NAME) and _read(remote, METADATA_NAME) == local
         except Exception:
@@ -383,18 +396,14 @@ class TieredCheckpointer:
             return False
         if same:
             with self._lock:
-                self._mirrored.add(step)
+                self._mirrored[step] = digest
         return same
 
     def local_only(self) -> list[int]:
         """Steps committed locally and not (or not as the same save) remotely, oldest first:
         uploads that failed, here or before a restart. Retention keeps them; :meth:`mirror`
         uploads one."""
-        return [
-            step
-            for step in self.committed_steps(self.local)
-            if step not in self._mirrored and not self._mirrored_before(step)
-        ]
+        return [step for step in self.committed_steps(self.local) if not self._is_mirrored(step)]
 
     def wait(self) -> None:
         """Wait until every upload started so far has finished (committed or failed)."""
@@ -411,6 +420,11 @@ class TieredCheckpointer:
 
 class _Superseded(Exception):
     """The local checkpoint being uploaded was overwritten by a save of the same step."""
+
+
+def _digest(metadata_blob: bytes) -> bytes:
+    """Identifies one save of a step: its ``.metadata`` holds the save's own id."""
+    return hashlib.blake2b(metadata_blob, digest_size=16).digest()
 
 
 def _read(storage: Storage, name: str) -> bytes:

@@ -195,6 +195,38 @@ def test_retention_after_a_restart_deletes_local_steps_an_earlier_process_upload
         restarted.close()
 
 
+def test_a_step_saved_again_whose_upload_fails_keeps_its_local_copy(
+    tmp_path: Path, s3_proxy: S3Env
+) -> None:
+    """A rollback saves step 2 again; that save's upload fails. Retention deleted its local
+    copy, the only copy of that save, because step 2's first upload had counted it as uploaded
+    (a user sweep: ``load(step=2)`` then found it in no tier)."""
+    tiers = _tiers(tmp_path, s3_proxy, keep_local=2, upload_attempts=1)
+    try:
+        for step in (1, 2, 3):
+            tiers.save(_state(step), step).remote.result(TIMEOUT)
+        denied = Fault("PUT", r"run/step-2/", status=403, code="AccessDenied", times=None)
+        s3_proxy.proxy.faults.append(denied)
+        again = {"w": torch.full((256, 1024), 22.0), "step": torch.tensor(2)}
+        with pytest.raises(MirrorError, match="step 2"):
+            tiers.save(again, 2).remote.result(TIMEOUT)
+        tiers.save(_state(4), 4).remote.result(TIMEOUT)
+        tiers.wait()
+        assert _local_steps(tmp_path) == ["step-2", "step-3", "step-4"]
+        assert tiers.local_only() == [2] and list(tiers.failed_uploads) == [2]
+        out = _state(0)
+        assert tiers.load(out, step=2) == 2
+        assert torch.equal(out["w"], again["w"])
+        s3_proxy.proxy.faults.clear()
+        assert tiers.mirror(2) == s3_proxy.url("run", "step-2")
+        assert tiers.local_only() == [] and tiers.retain(tiers.local) == [2]
+        out = _state(0)
+        assert tiers.load(out, step=2) == 2  # from the remote now: the rolled-back save
+        assert torch.equal(out["w"], again["w"])
+    finally:
+        tiers.close()
+
+
 def test_saving_a_step_again_while_it_uploads_never_commits_a_mix_of_both(
     tmp_path: Path, s3_proxy: S3Env
 ) -> None:
