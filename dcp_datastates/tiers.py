@@ -18,8 +18,14 @@ deleted ``.metadata`` first, so a crash mid-delete leaves an uncommitted prefix,
 checkpoint. :meth:`latest` finds the newest step committed in any tier and the fastest tier that
 holds it; :meth:`load` loads from there.
 
-Scope: one process writes (or rank 0 on a local directory every rank shares); other processes
-reading the tiers are not known to retention.
+With a process group (every rank calls ``save`` and ``load``, on a local directory all ranks
+share): DCP's collectives run on a gloo group of the checkpointer's own (``process_group``), so
+they never pair with the training's; a save waits for the previous one to commit locally (two
+saves' collectives on one group would pair wrongly); only rank 0 of the group uploads and runs
+retention, and on the other ranks ``remote`` resolves to ``None`` once the step commits locally.
+
+Scope: one process writes, or every rank of a group on a local directory they all share (rank 0
+uploads); other processes reading the tiers are not known to retention.
 """
 
 from __future__ import annotations
@@ -40,10 +46,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .api import async_save
-from .errors import DataStatesError
+from .errors import DataStatesError, WriterUsageError
 from .format import MANIFEST_NAME, METADATA_NAME
 from .reader import DataStatesReader
 from .safety import load_metadata
@@ -94,7 +101,8 @@ class TieredSave:
         step: The step saved.
         staged: Resolves when the snapshot is complete and the state may change.
         local: Resolves when the local checkpoint is committed (DCP ``Metadata``).
-        remote: Resolves to the remote URL once the remote copy is committed.
+        remote: Resolves to the remote URL once the remote copy is committed (on ranks other
+            than 0 of a process group, which upload nothing: to ``None`` once ``local`` does).
         blocked_s: How long ``save`` held the caller.
     """
 
@@ -115,6 +123,10 @@ class TieredCheckpointer:
         remote: The remote tier (a URL such as ``s3://bucket/run``), or its :class:`Tier`.
         keep_local / keep_remote: Retention, when the tiers are given as strings.
         upload_attempts: Whole-checkpoint upload tries before ``remote`` fails.
+        process_group: With ``torch.distributed`` initialized, the CPU-capable group for DCP's
+            collectives (default: a new gloo group, made here, so every rank must make the
+            checkpointer; the save thread then never shares a group with the training loop's
+            collectives). Rank 0 of it uploads and runs retention.
         **writer_options: :class:`~dcp_datastates.WriterOptions` for the local writer.
     """
 
@@ -126,6 +138,7 @@ class TieredCheckpointer:
         keep_local: int | None = 2,
         keep_remote: int | None = None,
         upload_attempts: int = 3,
+        process_group: dist.ProcessGroup | None = None,
         **writer_options: Any,
     ) -> None:
         self.local = (
@@ -135,6 +148,13 @@ class TieredCheckpointer:
         if upload_attempts < 1:
             raise ValueError(f"upload_attempts={upload_attempts!r} must be at least 1")
         self.upload_attempts = upload_attempts
+        # A save thread's collectives on the training loop's group pair with its own: with an
+        # all_reduce per step, two ranks hung at the second save (a user sweep).
+        if dist.is_available() and dist.is_initialized():
+            self.process_group = process_group or dist.new_group(backend="gloo")
+            self.rank: int = dist.get_rank(self.process_group)
+        else:
+            self.process_group, self.rank = None, 0
         self.writer = DataStatesWriter(self.local.url, **writer_options)
         self._uploads = concurrent.futures.ThreadPoolExecutor(1, "datastates-mirror")
         self._lock = threading.Lock()
@@ -144,13 +164,22 @@ class TieredCheckpointer:
         self._mirrored: dict[int, bytes] = {}
         self.failed_uploads: dict[int, BaseException] = {}
         self._queued: list[Future[None]] = []  # saves whose local outcome is not handled yet
+        self._last_local: Future[Any] | None = None  # the latest save's local commit
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, state_dict: dict[str, Any], step: int) -> TieredSave:
-        """Start saving ``state_dict`` as ``step``; returns once the snapshot is staged."""
+        """Start saving ``state_dict`` as ``step``; returns once the snapshot is staged. With a
+        process group, call it on every rank; it first waits for the previous save to commit
+        locally."""
         start = time.monotonic()
         path = self.local.path(step)
-        response = async_save(state_dict, self.writer, checkpoint_id=path)
+        kwargs: dict[str, Any] = {}
+        if self.process_group is not None:
+            kwargs["process_group"] = self.process_group
+            if self._last_local is not None:  # saves take turns on the group's collectives
+                concurrent.futures.wait([self._last_local])
+        response = async_save(state_dict, self.writer, checkpoint_id=path, **kwargs)
+        self._last_local = response.upload_completion
         handle = TieredSave(
             step=step,
             staged=response.staging_completion,
@@ -172,6 +201,9 @@ class TieredCheckpointer:
             exc = fut.exception()
             if exc is not None:
                 handle.remote.set_exception(exc)  # nothing to mirror: the same error, once more
+                return
+            if self.rank != 0:
+                handle.remote.set_result(None)  # rank 0 uploads the step all ranks committed
                 return
             with self._lock:
                 self._busy[(self.local.url, step)] += 1  # protected until uploaded
@@ -208,7 +240,9 @@ class TieredCheckpointer:
         """Upload committed local ``step`` to the remote tier (retried); returns its URL.
 
         Called in the background for every save; call it again for a step in
-        :attr:`failed_uploads` once the remote is reachable."""
+        :attr:`failed_uploads` once the remote is reachable. With a process group, on rank 0
+        only."""
+        self._check_coordinator("mirror")
         last: BaseException | None = None
         for attempt in range(self.upload_attempts):
             try:
@@ -315,38 +349,86 @@ class TieredCheckpointer:
     @contextlib.contextmanager
     def reading(self, tier: Tier, step: int) -> Iterator[str]:
         """Protect ``step`` in ``tier`` from retention while the block reads it."""
-        with self._lock:
-            self._busy[(tier.url, step)] += 1
+        self._protect(tier, step, 1)
         try:
             yield tier.path(step)
         finally:
-            with self._lock:
-                self._busy[(tier.url, step)] -= 1
+            self._protect(tier, step, -1)
 
     def load(
         self, state_dict: dict[str, Any], step: int | None = None, **reader_options: Any
     ) -> int:
         """Load ``step`` (default: the newest committed anywhere) from the fastest tier holding
-        it, in place into ``state_dict``; returns the step."""
-        if step is None:
-            found = self.latest()
-            if found is None:
-                raise FileNotFoundError(
-                    f"no committed checkpoint in {self.local.url} or {self.remote.url}"
-                )
-            step, tier = found
-        else:
-            tier = next((t for t in self.tiers if step in self.committed_steps(t)), None)
-            if tier is None:
-                raise FileNotFoundError(f"step {step} is committed in no tier")
-        with self.reading(tier, step) as path:
-            reader = DataStatesReader(path, storage_options=tier.storage_options, **reader_options)
-            dcp.load(state_dict, storage_reader=reader)
+        it, in place into ``state_dict``; returns the step. With a process group, call it on
+        every rank: rank 0 picks the step and the tier for all (ranks listing the tiers apart
+        could read a step rank 0's retention was deleting, a user sweep)."""
+        if self.process_group is not None and self._last_local is not None:
+            concurrent.futures.wait([self._last_local])  # its collectives use the same group
+        chosen: tuple[int, Tier] | None = None
+        error: Exception | None = None
+        if self.rank == 0:
+            try:
+                chosen = self._choose(step)
+            except Exception as exc:
+                error = exc
+        if self.process_group is not None:
+            box: list[Any] = [None]
+            if chosen is not None:
+                box[0] = (chosen[0], self.tiers.index(chosen[1]))
+            elif error is not None:
+                box[0] = f"rank 0 found nothing to load: {error}"
+            dist.broadcast_object_list(box, group=self.process_group, group_src=0)
+            if self.rank != 0:
+                if isinstance(box[0], str):
+                    raise FileNotFoundError(box[0])
+                chosen = (box[0][0], self.tiers[box[0][1]])
+                self._protect(chosen[1], chosen[0], 1)
+        if error is not None:
+            raise error
+        assert chosen is not None
+        step, tier = chosen
+        try:
+            reader = DataStatesReader(
+                tier.path(step), storage_options=tier.storage_options, **reader_options
+            )
+            dcp.load(state_dict, storage_reader=reader, process_group=self.process_group)
+        finally:
+            self._protect(tier, step, -1)
         return step
+
+    def _choose(self, step: int | None) -> tuple[int, Tier]:
+        """The step to load and the fastest tier holding it, protected from retention (as
+        :meth:`reading` protects it) once found still committed."""
+        for _ in range(3):  # retention may delete a local step between the listing and here
+            if step is None:
+                found = self.latest()
+                if found is None:
+                    raise FileNotFoundError(
+                        f"no committed checkpoint in {self.local.url} or {self.remote.url}"
+                    )
+                chosen, tier = found
+            else:
+                chosen = step
+                held = (t for t in self.tiers if step in self.committed_steps(t))
+                if (tier := next(held, None)) is None:
+                    raise FileNotFoundError(f"step {step} is committed in no tier")
+            self._protect(tier, chosen, 1)
+            if tier.storage(chosen).exists(METADATA_NAME):
+                return chosen, tier
+            self._protect(tier, chosen, -1)
+        raise FileNotFoundError(
+            f"step {chosen} was deleted by retention as it was chosen, three times; load again"
+        )
+
+    def _protect(self, tier: Tier, step: int, by: int) -> None:
+        with self._lock:
+            self._busy[(tier.url, step)] += by
 
     # -- retention -----------------------------------------------------------------------------
     def retain(self, tier: Tier) -> list[int]:
-        """Delete committed checkpoints of ``tier`` beyond its ``keep``; returns those deleted."""
+        """Delete committed checkpoints of ``tier`` beyond its ``keep``; returns those deleted.
+        With a process group, on rank 0 only."""
+        self._check_coordinator("retain")
         if tier.keep is None:
             return []
         try:
@@ -371,6 +453,14 @@ class TieredCheckpointer:
                 with self._lock:
                     self._busy[(tier.url, step)] -= 1
         return deleted
+
+    def _check_coordinator(self, what: str) -> None:
+        if self.rank != 0:
+            raise WriterUsageError(
+                f"TieredCheckpointer.{what}() on rank {self.rank}: rank 0 of the process group "
+                "uploads and runs retention for every rank (two ranks doing it would delete "
+                "what the other uploads); call it on rank 0 only"
+            )
 
     def _is_mirrored(self, step: int) -> bool:
         """Whether the remote tier holds the save of ``step`` that is committed locally now

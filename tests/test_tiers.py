@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import _s3_server
+import _tiers_workers
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dist_workers import check_all_ok, launch
 from _s3_server import Fault, S3Env
 
 from dcp_datastates import DataStatesReader
@@ -286,3 +288,29 @@ def test_a_restart_with_the_remote_unreachable_loads_the_newest_local_step(
             restarted.latest()
     finally:
         restarted.close()
+
+
+def test_two_ranks_with_a_collective_each_step_save_and_only_rank_0_uploads(
+    tmp_path: Path, s3: S3Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks all-reducing each step and saving each step: they hung at the second save
+    (the save thread's collectives on the training's group), and every rank uploaded and ran
+    retention, rank 0 deleting local files rank 1 was uploading (a user sweep)."""
+    monkeypatch.setenv("TIERS_ENDPOINT", s3.endpoint)
+    monkeypatch.setenv("TIERS_REMOTE", s3.url("run"))
+    results = launch("train", tmp_path, world_size=2, timeout=120, script=_tiers_workers.__file__)
+    check_all_ok(results)
+    steps = list(range(1, _tiers_workers.STEPS + 1))
+    assert results[0].report["remote"] == [s3.url("run", f"step-{s}") for s in steps]
+    assert results[1].report["remote"] == [None] * len(steps)  # rank 0 uploads for both
+    assert results[0].report["held"] == {str(tmp_path / "local"): steps[-2:], s3.url("run"): steps}
+    assert "rank 0 of the process group" in results[1].report["held"]["retain"]
+    for r in results:
+        assert "failed" not in r.output and "Traceback" not in r.output, r.output[-3000:]
+    assert s3.open_uploads() == []
+    out = {"rank0": torch.zeros(64, 256), "rank1": torch.zeros(64, 256), "step": 0}
+    reader = DataStatesReader(s3.url("run", "step-6"), storage_options=s3.options())
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert out["step"] == 6
+    for rank in (0, 1):
+        assert torch.equal(out[f"rank{rank}"], _tiers_workers.rank_values(rank, 6))
