@@ -377,7 +377,12 @@ class TieredCheckpointer:
                 box[0] = (chosen[0], self.tiers.index(chosen[1]))
             elif error is not None:
                 box[0] = f"rank 0 found nothing to load: {error}"
-            dist.broadcast_object_list(box, group=self.process_group, group_src=0)
+            try:
+                dist.broadcast_object_list(box, group=self.process_group, group_src=0)
+            except BaseException:
+                if chosen is not None:
+                    self._protect(chosen[1], chosen[0], -1)
+                raise
             if self.rank != 0:
                 if isinstance(box[0], str):
                     raise FileNotFoundError(box[0])

@@ -63,10 +63,15 @@ def _train(rank: int, world_size: int, port: int, workdir: Path) -> dict[str, An
         loaded = tiers.load(target, step=3)  # every rank, from the remote: local keeps 2
         assert loaded == 3 and target["step"] == 3
         assert torch.equal(target[f"rank{rank}"], rank_values(rank, 3))
+        try:
+            tiers.load(target, step=99)  # in no tier: every rank raises, none waits
+            missing = ""
+        except FileNotFoundError as exc:
+            missing = str(exc)
     finally:
         tiers.close()
     dist.destroy_process_group()
-    return {"remote": remote, "held": held}
+    return {"remote": remote, "held": held, "missing": missing}
 
 
 def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:

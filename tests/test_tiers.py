@@ -305,6 +305,8 @@ def test_two_ranks_with_a_collective_each_step_save_and_only_rank_0_uploads(
     assert results[1].report["remote"] == [None] * len(steps)  # rank 0 uploads for both
     assert results[0].report["held"] == {str(tmp_path / "local"): steps[-2:], s3.url("run"): steps}
     assert "rank 0 of the process group" in results[1].report["held"]["retain"]
+    assert results[0].report["missing"] == "step 99 is committed in no tier"
+    assert results[1].report["missing"].startswith("rank 0 found nothing to load: step 99")
     for r in results:
         assert "failed" not in r.output and "Traceback" not in r.output, r.output[-3000:]
     assert s3.open_uploads() == []
