@@ -151,7 +151,9 @@ class TieredCheckpointer:
         # A save thread's collectives on the training loop's group pair with its own: with an
         # all_reduce per step, two ranks hung at the second save (a user sweep).
         if dist.is_available() and dist.is_initialized():
-            self.process_group = process_group or dist.new_group(backend="gloo")
+            self.process_group = (
+                process_group if process_group is not None else dist.new_group(backend="gloo")
+            )
             self.rank: int = dist.get_rank(self.process_group)
         else:
             self.process_group, self.rank = None, 0
