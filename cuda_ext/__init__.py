@@ -1,6 +1,6 @@
 """CUDA-specific helpers built on ``cuda-python``; importable (and inert) without CUDA.
 
-Everything here has a pure-torch fallback in ``dcp_datastates._cuda``; nothing in the library
+Everything here has a pure-torch fallback in ``dcp_datastates._platform.cuda``; nothing in the library
 requires this package to work.
 """
 

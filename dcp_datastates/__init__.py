@@ -4,8 +4,7 @@ A DCP storage backend with a lazy snapshot (copies overlap training; only the ne
 step may wait), typed state providers and a streaming flush, writing files stock DCP can read.
 """
 
-from .api import async_save
-from .checkpointer import Checkpointer
+from .checkpointers.checkpointer import Checkpointer
 from .errors import (
     CheckpointNotCommittedError,
     CheckpointSaveError,
@@ -19,14 +18,29 @@ from .errors import (
     WriterClosedError,
     WriterUsageError,
 )
+from .load.reader import DataStatesReader
 from .options import WriterOptions
-from .planner import DataStatesSavePlanner
 from .providers import StateProvider, register_provider, unregister_provider
-from .reader import DataStatesReader
+from .save.api import async_save
+from .save.planner import DataStatesSavePlanner
+from .save.writer import DataStatesWriter
 from .stats import SaveStats
-from .writer import DataStatesWriter
+
+from . import _moved
 
 __version__ = "0.1.0"
+
+_moved.install()
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    """``dcp_datastates.writer`` and the other old module names, at their new places."""
+    if name in _moved.MOVED:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CheckpointNotCommittedError",

@@ -45,9 +45,9 @@ from .format import (
     manifest_name,
     metadata_name,
 )
-from .reader import DataStatesReader
-from .safety import check_relative_path, file_size, load_metadata
-from .storage import FsspecStorage, LocalStorage, storage_for
+from .load.reader import DataStatesReader
+from .load.safety import check_relative_path, file_size, load_metadata
+from .storage.base import FsspecStorage, LocalStorage, storage_for
 
 EXIT_OK, EXIT_DAMAGED, EXIT_NOT_COMMITTED, EXIT_NOTHING_TO_VERIFY, EXIT_UNREADABLE = 0, 1, 2, 3, 4
 _CHUNK = 4 << 20

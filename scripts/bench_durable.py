@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lib import limits, state  # noqa: E402
 from bench_lib.common import alternate  # noqa: E402
 
-import dcp_datastates.flush as flush_mod  # noqa: E402
-from dcp_datastates import DataStatesWriter, async_save, localfile  # noqa: E402
+import dcp_datastates.save.flush as flush_mod
+from dcp_datastates import DataStatesWriter, async_save
 from dcp_datastates.snapshot.engine import SnapshotSession  # noqa: E402
+from dcp_datastates.storage import localfile  # noqa: E402
 
 GB = 1 << 30
 LIMIT = "limit"

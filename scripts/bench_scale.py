@@ -145,7 +145,7 @@ def cpu(saves: int) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import dcp_datastates
-    from dcp_datastates import flush as flush_mod
+    from dcp_datastates.save import flush as flush_mod
     from dcp_datastates.snapshot import engine
 
     spent: dict[str, float] = {"copy": 0.0, "flush": 0.0}

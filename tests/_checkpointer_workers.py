@@ -29,7 +29,7 @@ from _dist_workers import _init  # noqa: E402
 from _signal_util import signal_from_a_thread_once_main_sleeps  # noqa: E402
 
 from dcp_datastates import DataStatesWriter  # noqa: E402
-from dcp_datastates.checkpointer import Checkpointer  # noqa: E402
+from dcp_datastates.checkpointers.checkpointer import Checkpointer  # noqa: E402
 
 
 def say(line: str) -> None:

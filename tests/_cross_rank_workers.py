@@ -107,7 +107,7 @@ def _injecting_writer(kind: list[str]) -> Any:
 
     from dcp_datastates import DataStatesWriter
     from dcp_datastates.format import DATA_SUFFIX
-    from dcp_datastates.storage import LocalStorage
+    from dcp_datastates.storage.base import LocalStorage
 
     class RaisingStorage(LocalStorage):
         @contextlib.contextmanager
@@ -249,7 +249,8 @@ def _lost_group(mode: str, rank: int, world_size: int, port: int, workdir: Path)
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from dcp_datastates import DataStatesWriter, api, async_save
+    from dcp_datastates import DataStatesWriter, async_save
+    from dcp_datastates.save import api
 
     _init(rank, world_size, port)
     gate = threading.Event()
@@ -396,7 +397,7 @@ def _dtensor_inplace(mode: str, rank: int, world_size: int, port: int, workdir: 
 
     writer._returning_from_async_save = written_as_the_call_returns  # type: ignore[method-assign]
     if mode == "process":  # stage() starts the copy thread: the write lands before its copy
-        import dcp_datastates.process_staging as process_staging
+        import dcp_datastates.save.process_staging as process_staging
 
         segment = process_staging.shared_bytes
 

@@ -260,7 +260,7 @@ def _failing_writer_class(armed: list[bool] | None = None) -> type:
     device would; only while ``armed[0]`` when ``armed`` is given (so a retry can succeed)."""
     from dcp_datastates import DataStatesWriter
     from dcp_datastates.format import DATA_SUFFIX
-    from dcp_datastates.storage import LocalStorage
+    from dcp_datastates.storage.base import LocalStorage
 
     class _FailingFile:
         def __init__(self, f: Any) -> None:

@@ -193,7 +193,7 @@ class S3Env:
         return "/".join([f"s3://{self.bucket}", *parts])
 
     def options(self, **extra: Any) -> dict[str, Any]:
-        from dcp_datastates.storage_s3 import RetryPolicy
+        from dcp_datastates.storage.s3 import RetryPolicy
 
         opts: dict[str, Any] = {
             "endpoint_url": self.endpoint,

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _dist_workers import FUTURE_TIMEOUT_S, _init, exit_without_teardown, run_worker  # noqa: E402
 
-from dcp_datastates.tiers import Tier, TieredCheckpointer  # noqa: E402
+from dcp_datastates.checkpointers.tiers import Tier, TieredCheckpointer  # noqa: E402
 
 STEPS = 6
 

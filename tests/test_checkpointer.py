@@ -16,7 +16,7 @@ from _checkpointer_workers import App, Model, digest, train_step
 from _dist_workers import check_all_ok, launch
 
 from dcp_datastates import CheckpointSaveError, DataStatesWriter
-from dcp_datastates.checkpointer import Checkpointer, step_dir_name
+from dcp_datastates.checkpointers.checkpointer import Checkpointer, step_dir_name
 
 WORKER = str(Path(__file__).with_name("_checkpointer_workers.py"))
 

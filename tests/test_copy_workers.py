@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from dcp_datastates.snapshot.workers import JobThreads
+from dcp_datastates._concurrency.workers import JobThreads
 
 
 def test_jobs_run_on_the_named_workers_and_shutdown_runs_the_queued_ones() -> None:
@@ -43,7 +43,7 @@ def test_an_error_in_a_job_is_logged_and_the_worker_goes_on(
     def bad() -> None:
         raise ValueError("a broken job")
 
-    with caplog.at_level(logging.ERROR, logger="dcp_datastates.snapshot.workers"):
+    with caplog.at_level(logging.ERROR, logger="dcp_datastates._concurrency.workers"):
         workers.submit(bad)
         workers.submit(done.set)  # the same (only) worker runs the next job
         assert done.wait(30)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import EVENT_TIMEOUT_S
 
-from dcp_datastates.dcp_future import RelayFuture, completed
+from dcp_datastates._concurrency.futures import RelayFuture, completed
 
 
 class _Held:

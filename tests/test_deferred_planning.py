@@ -321,7 +321,7 @@ def test_the_placeholder_saved_without_its_snapshot_is_refused(tmp_path: Path) -
     it stands for: saved on its own it is refused, naming it, and nothing is committed."""
     import torch.distributed.checkpoint as dcp
 
-    from dcp_datastates.planner import PLANNED_KEY, planned_elsewhere
+    from dcp_datastates.save.planner import PLANNED_KEY, planned_elsewhere
 
     writer = DataStatesWriter(tmp_path / "ckpt")
     try:
@@ -362,7 +362,7 @@ def test_a_planner_given_to_async_save_plans_on_the_save_thread(
 def test_a_reused_plan_still_resolves_items_through_the_planner() -> None:
     # Nothing in the writer resolves items through StagedSavePlanner, but DCP's API allows it:
     # the state dict is flattened then, and the item found as DefaultSavePlanner finds it.
-    from dcp_datastates.planner import StagedSavePlanner, plan_providers
+    from dcp_datastates.save.planner import StagedSavePlanner, plan_providers
 
     state = {"model": {"w": torch.arange(6.0)}, "step": 3}
     local_plan = plan_providers(state).local_plan
@@ -488,7 +488,7 @@ def test_a_replayed_save_takes_the_global_plan_of_the_save_before_and_its_own_me
 
 
 def _planner_of(state: dict[str, Any]) -> Any:
-    from dcp_datastates.planner import DataStatesSavePlanner
+    from dcp_datastates.save.planner import DataStatesSavePlanner
 
     planner = DataStatesSavePlanner()
     planner.set_up_planner(state, storage_meta=None, is_coordinator=False)
@@ -496,7 +496,7 @@ def _planner_of(state: dict[str, Any]) -> Any:
 
 
 def test_replans_to_holds_only_for_what_dcp_would_plan_alike() -> None:
-    from dcp_datastates.planner import replans_to
+    from dcp_datastates.save.planner import replans_to
 
     def state() -> dict[str, Any]:
         return {"a": {"b": torch.zeros(8, 8)}, "n": 3, "t": (1, 2)}
@@ -522,7 +522,7 @@ def test_eager_copies_are_private_to_the_snapshot_and_only_live_tensors_are_prob
     keeps both: they are what catches a write its version counter does not see."""
     from concurrent.futures import Future
 
-    from dcp_datastates.planner import plan_providers
+    from dcp_datastates.save.planner import plan_providers
     from dcp_datastates.snapshot import forward_gate
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))

@@ -62,8 +62,8 @@ def test_the_error_types_outside_errors_py_survive_pickling_with_their_attribute
     coordinator as a plain ``DataStatesError`` without bucket, key or code (a user sweep)."""
     import errno
 
-    from dcp_datastates._s3_client import ObjectStoreError
-    from dcp_datastates.tiers import MirrorError
+    from dcp_datastates.checkpointers.tiers import MirrorError
+    from dcp_datastates.storage._s3_client import ObjectStoreError
 
     store = ObjectStoreError(
         errno.EIO,

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import DataStatesWriter, StorageWriteError
 from dcp_datastates.format import DATA_SUFFIX
-from dcp_datastates.storage import LocalStorage
+from dcp_datastates.storage.base import LocalStorage
 
 
 class _SecondFileFailsAfterFirstCompletes(LocalStorage):

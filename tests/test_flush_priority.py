@@ -14,9 +14,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import load_like
 
-import dcp_datastates.flush as flush_module
+import dcp_datastates.save.flush as flush_module
 from dcp_datastates import DataStatesWriter
-from dcp_datastates.snapshot.priority import lower_thread_priority
+from dcp_datastates._concurrency.priority import lower_thread_priority
 
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="per-thread nice values are Linux only"

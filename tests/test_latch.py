@@ -13,8 +13,8 @@ import torch
 from conftest import EVENT_TIMEOUT_S
 
 import dcp_datastates
+from dcp_datastates._concurrency.latch import Latch
 from dcp_datastates.snapshot import engine
-from dcp_datastates.snapshot.latch import Latch
 
 
 def test_a_latch_set_before_the_wait_returns_at_once_and_makes_no_event() -> None:

@@ -21,20 +21,20 @@ import torch.distributed.checkpoint as dcp
 from conftest import pool_drains
 
 import dcp_datastates
-import dcp_datastates.flush as flush_mod
+import dcp_datastates.save.flush as flush_mod
 from dcp_datastates import (
     CheckpointSaveError,
     DataStatesReader,
     DataStatesWriter,
     SnapshotMutationError,
-    localfile,
 )
+from dcp_datastates._concurrency.latch import Latch
 from dcp_datastates.format import METADATA_NAME
-from dcp_datastates.localfile import DirectFile
 from dcp_datastates.providers import tensor as tensor_mod
 from dcp_datastates.snapshot.engine import SnapshotSession
-from dcp_datastates.snapshot.latch import Latch
 from dcp_datastates.stats import SaveStats
+from dcp_datastates.storage import localfile
+from dcp_datastates.storage.localfile import DirectFile
 
 MiB = 1 << 20
 WAIT = 60

@@ -27,10 +27,10 @@ from conftest import assert_same_state, blank_like, failure_of
 from crc32c import crc32c
 
 from dcp_datastates import ChecksumMismatchError, DataStatesReader
-from dcp_datastates.checksum import crc32c_combine, read_checked
-from dcp_datastates.fetch import FetchOptions
 from dcp_datastates.format import MANIFEST_NAME
-from dcp_datastates.object_records import MISS, fast_load
+from dcp_datastates.load.checksum import crc32c_combine, read_checked
+from dcp_datastates.load.fetch import FetchOptions
+from dcp_datastates.load.object_records import MISS, fast_load
 
 #: Many regions per big record, many checked pieces per region, sizes that do not divide.
 SMALL_PIECES = FetchOptions(
@@ -286,7 +286,7 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[int]:
 def test_local_regions_are_read_in_pieces_remote_regions_in_one_request(
     tmp_path: Path, memory_url: str, make_writer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dcp_datastates import storage
+    from dcp_datastates.storage import base as storage
 
     state = {"big": torch.arange(100_000.0)}  # 400 kB: 10 regions of 40,000 bytes
     options = dataclasses.replace(SMALL_PIECES, check_bytes=8_000)

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dcp_datastates import localfile
-from dcp_datastates.localfile import ALIGN, DIRECT_BUFFER, DirectFile
-from dcp_datastates.storage import LocalStorage
+from dcp_datastates.storage import localfile
+from dcp_datastates.storage.base import LocalStorage
+from dcp_datastates.storage.localfile import ALIGN, DIRECT_BUFFER, DirectFile
 
 
 def _pieces(seed: int) -> list[Any]:
@@ -285,7 +285,7 @@ def test_warm_up_prepares_no_direct_buffer_where_files_are_not_written_directly(
 
 
 def test_populate_write_faults_in_exactly_the_pages_of_an_unaligned_range() -> None:
-    from dcp_datastates._pages import populate_write
+    from dcp_datastates._platform.pages import populate_write
 
     page = mmap.PAGESIZE
     buf = mmap.mmap(-1, 16 * page)

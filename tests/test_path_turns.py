@@ -16,9 +16,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import EVENT_TIMEOUT_S, assert_same_state, load_like
 
-from dcp_datastates import DataStatesWriter, async_save, path_turns
+from dcp_datastates import DataStatesWriter, async_save
 from dcp_datastates.format import METADATA_NAME
-from dcp_datastates.path_turns import directory_key
+from dcp_datastates.save import path_turns
+from dcp_datastates.save.path_turns import directory_key
 
 
 def states(n: int) -> list[dict]:

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from _dist_workers import check_all_ok, empty_like_values, full_values, launch
 
 from dcp_datastates import DataStatesReader
-from dcp_datastates.process_staging import shared_bytes
+from dcp_datastates.save.process_staging import shared_bytes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
 
@@ -93,7 +93,7 @@ def test_a_failed_staging_in_a_save_of_several_ranks_is_raised_by_the_daemons_wr
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from dcp_datastates.errors import InvalidStateDictError
-    from dcp_datastates.process_staging import FAILED_KEY, raise_relayed, stage_for_process
+    from dcp_datastates.save.process_staging import FAILED_KEY, raise_relayed, stage_for_process
 
     class Odd(torch.Tensor):
         pass

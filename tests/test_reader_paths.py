@@ -19,9 +19,9 @@ import torch.distributed.checkpoint as dcp
 from conftest import MiB, assert_same_state, blank_like, data_files, failure_of
 
 from dcp_datastates import ChecksumMismatchError, DataStatesReader, UnsafeCheckpointError
-from dcp_datastates import fetch as fetch_module
-from dcp_datastates.fetch import FetchOptions
-from dcp_datastates.locate import NotLocatable
+from dcp_datastates.load import fetch as fetch_module
+from dcp_datastates.load.fetch import FetchOptions
+from dcp_datastates.load.locate import NotLocatable
 
 #: Small reads everywhere: nothing is coalesced and every big record is split into many regions.
 TINY_READS = FetchOptions(io_workers=3, coalesce_bytes=0, span_bytes=0, split_bytes=4096)
@@ -143,7 +143,7 @@ def test_a_stock_record_whose_data_cannot_be_located_falls_back_and_says_so(
 
     monkeypatch.setattr(fetch_module, "locate_stock_tensor", cannot)
     target = blank_like(state)
-    with caplog.at_level(logging.INFO, logger="dcp_datastates.fetch"):
+    with caplog.at_level(logging.INFO, logger="dcp_datastates.load.fetch"):
         read(tmp_path, target, FetchOptions())
     assert_same_state(state, target)
     lines = [r.getMessage() for r in caplog.records if "loaded whole" in r.getMessage()]
@@ -219,8 +219,8 @@ def test_stock_records_from_another_torch_are_parsed_not_trusted_by_shape(
 ) -> None:
     """Records whose head differs from this torch's frame (another torch wrote them) take the
     zip-and-pickle parse instead of the frame shortcut, and still read in place."""
-    from dcp_datastates import locate
     from dcp_datastates.format import RecordFrame
+    from dcp_datastates.load import locate
 
     state = mixed_state()
     save(state, tmp_path, "stock")
@@ -292,7 +292,7 @@ def test_verify_false_reads_past_a_damaged_manifest_and_warns(
     with pytest.raises(ChecksumMismatchError, match=r"\.datastates\.json is damaged"):
         DataStatesReader(tmp_path).read_metadata()
     target = blank_like(state)
-    with caplog.at_level(logging.WARNING, logger="dcp_datastates.reader"):
+    with caplog.at_level(logging.WARNING, logger="dcp_datastates.load.reader"):
         read(tmp_path, target, FetchOptions(verify=False), verify=False)
     assert_same_state(state, target)
     assert any("reading without the manifest" in r.getMessage() for r in caplog.records)

@@ -175,8 +175,8 @@ def test_objects_left_by_an_earlier_failed_attempt_are_not_part_of_the_new_check
 
 
 def test_commit_refuses_an_object_whose_size_is_not_what_was_written(s3: S3Env) -> None:
-    from dcp_datastates.storage import storage_for
-    from dcp_datastates.storage_s3 import ObjectStoreError
+    from dcp_datastates.storage.base import storage_for
+    from dcp_datastates.storage.s3 import ObjectStoreError
 
     storage = storage_for(s3.url("sizes"), s3.options())
     storage.put_atomic("__0_0.distcp", b"abc", sync=True)
@@ -189,7 +189,7 @@ def test_commit_refuses_an_object_whose_size_is_not_what_was_written(s3: S3Env) 
 
 
 def test_listings_and_existence_are_never_served_from_a_stale_cache(s3: S3Env) -> None:
-    from dcp_datastates.storage import storage_for
+    from dcp_datastates.storage.base import storage_for
 
     storage = storage_for(s3.url("fresh"), s3.options())
     storage.put_atomic("a", b"1", sync=True)
@@ -203,7 +203,7 @@ def test_listings_and_existence_are_never_served_from_a_stale_cache(s3: S3Env) -
 
 
 def test_ranged_reads_fill_the_callers_buffers_and_stop_at_the_end(s3: S3Env) -> None:
-    from dcp_datastates.storage import storage_for
+    from dcp_datastates.storage.base import storage_for
 
     storage = storage_for(s3.url("ranged"), s3.options())
     storage.put_atomic("blob", bytes(range(256)) * 4, sync=True)
@@ -220,7 +220,7 @@ def test_retry_policy_refuses_bad_values_and_classifies_errors() -> None:
     pytest.importorskip("botocore")
     from botocore.exceptions import ClientError, EndpointConnectionError
 
-    from dcp_datastates.storage_s3 import RetryPolicy, classify
+    from dcp_datastates.storage.s3 import RetryPolicy, classify
 
     with pytest.raises(ValueError, match="attempts=0"):
         RetryPolicy(attempts=0)

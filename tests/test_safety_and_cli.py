@@ -255,7 +255,7 @@ def test_a_lost_manifest_is_refused_not_read_as_a_stock_checkpoint(
     with pytest.raises(BaseException) as raised:  # DCP's error quotes what read_metadata raised
         _load(ckpt)
     assert ".datastates.json is missing" in str(raised.value)
-    with caplog.at_level(logging.WARNING, logger="dcp_datastates.reader"):
+    with caplog.at_level(logging.WARNING, logger="dcp_datastates.load.reader"):
         assert_same_state(_state(), _load(ckpt, verify=False))
     assert any("checksums are lost" in r.getMessage() for r in caplog.records)
     stock_target = blank_like(_state())  # stock DCP still reads it (the mark is a save_id)
@@ -303,7 +303,7 @@ def test_cli_says_when_there_is_no_checkpoint_at_all(tmp_path: Path) -> None:
 def test_cli_on_a_checkpointer_root_names_the_step_to_run_it_on(tmp_path: Path) -> None:
     """A Checkpointer's root holds step directories and ``latest``: ``verify`` on it said the
     save that wrote it did not finish (a user sweep)."""
-    from dcp_datastates.checkpointer import Checkpointer, step_dir_name
+    from dcp_datastates.checkpointers.checkpointer import Checkpointer, step_dir_name
 
     with Checkpointer(tmp_path, every_steps=1, preemption_signals=()) as ck:
         for step in (1, 2):

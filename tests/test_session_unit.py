@@ -16,10 +16,11 @@ from dcp_datastates.errors import (
     SnapshotMutationError,
     WriterClosedError,
 )
-from dcp_datastates.flush import assign_files
 from dcp_datastates.options import WriterOptions
-from dcp_datastates.planner import plan_providers
-from dcp_datastates.snapshot import runtime as runtime_mod
+from dcp_datastates.save import runtime as runtime_mod
+from dcp_datastates.save.flush import assign_files
+from dcp_datastates.save.planner import plan_providers
+from dcp_datastates.save.runtime import SnapshotRuntime
 from dcp_datastates.snapshot.engine import (
     ADMITTED,
     COPIED,
@@ -32,7 +33,6 @@ from dcp_datastates.snapshot.engine import (
     _copy_piece,
 )
 from dcp_datastates.snapshot.pool import HostPool
-from dcp_datastates.snapshot.runtime import SnapshotRuntime
 
 
 def never() -> bool:

@@ -19,7 +19,7 @@ from dcp_datastates import (
     DataStatesReader,
 )
 from dcp_datastates.format import MANIFEST_NAME, METADATA_NAME
-from dcp_datastates.storage import FsspecStorage, LocalStorage, storage_for
+from dcp_datastates.storage.base import FsspecStorage, LocalStorage, storage_for
 
 LOCATIONS = ("local path", "file://", "memory://")
 
@@ -236,7 +236,7 @@ def test_a_flipped_byte_loads_silently_when_verification_is_off(
 def test_removing_a_file_that_is_a_directory_names_it(tmp_path: Path) -> None:
     """A ``.metadata`` directory in the checkpoint made a save fail with a bare
     "[Errno 21] Is a directory" (a user sweep)."""
-    from dcp_datastates.storage import LocalStorage
+    from dcp_datastates.storage.base import LocalStorage
 
     (tmp_path / ".metadata").mkdir()
     with pytest.raises(IsADirectoryError, match=r"\.metadata is a directory where a checkpoint"):

@@ -16,8 +16,8 @@ from _dist_workers import check_all_ok, launch
 from _s3_server import Fault, S3Env
 
 from dcp_datastates import DataStatesReader
+from dcp_datastates.checkpointers.tiers import MirrorError, Tier, TieredCheckpointer
 from dcp_datastates.format import METADATA_NAME
-from dcp_datastates.tiers import MirrorError, Tier, TieredCheckpointer
 
 moto_server, s3, s3_proxy = _s3_server.moto_server, _s3_server.s3, _s3_server.s3_proxy
 

@@ -37,7 +37,8 @@ from dcp_datastates import (
 )
 from dcp_datastates.errors import SnapshotAbortedError
 from dcp_datastates.format import METADATA_NAME
-from dcp_datastates.snapshot import guard, runtime
+from dcp_datastates.save import runtime
+from dcp_datastates.snapshot import guard
 from dcp_datastates.snapshot.pool import block_slack, live_pools
 
 SMALL_POOL = {"host_pool_bytes": MiB, "chunk_bytes": 64 * 1024, "coalesce_bytes": 16 * 1024}
@@ -546,7 +547,7 @@ def test_close_with_a_timeout_before_the_save_thread_claims_fails_that_save_clea
     snapshot (a user sweep): that save fails as a dropped snapshot, ``CheckpointSaveError``
     with ``SnapshotAbortedError``, not with a bare ``WriterClosedError`` saying to make a new
     writer; its stats name the checkpoint. The save thread is held until close() returned."""
-    from dcp_datastates import api
+    from dcp_datastates.save import api
 
     gate = threading.Event()
     save_staged = api._save_staged
@@ -637,8 +638,8 @@ def test_the_automatic_pool_is_this_ranks_share_of_the_node(
 
 def test_the_automatic_pool_counts_what_this_rank_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     from dcp_datastates._dcp_private import AsyncSaveCall
-    from dcp_datastates.planner import plan_providers
-    from dcp_datastates.writer import _expected_write_bytes
+    from dcp_datastates.save.planner import plan_providers
+    from dcp_datastates.save.writer import _expected_write_bytes
 
     items = plan_providers({"replicated": torch.zeros(MiB), "obj": {"a": 1}})
     call = AsyncSaveCall(found=True)

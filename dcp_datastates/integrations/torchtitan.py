@@ -46,10 +46,10 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.tools import filesystem
 from torchtitan.tools.utils import GarbageCollection
 
-from ..api import async_save
 from ..format import METADATA_NAME
-from ..reader import DataStatesReader
-from ..writer import DataStatesWriter
+from ..load.reader import DataStatesReader
+from ..save.api import async_save
+from ..save.writer import DataStatesWriter
 
 _HF_INDEX = "model.safetensors.index.json"
 logger = logging.getLogger(__name__)

@@ -4,6 +4,8 @@
 a tensor item becomes a :class:`TensorProvider` (or :class:`ShardProvider` for the local chunk of a
 DTensor / ShardedTensor), a ``BYTE_IO`` item an :class:`ObjectProvider`. Users add their own kinds
 with :func:`register_provider`; the most specific registered type wins.
+
+May import: ``format`` and ``errors``.
 """
 
 from __future__ import annotations

@@ -57,13 +57,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._concurrency.latch import Latch
+from .._concurrency.workers import JobThreads
 from ..errors import SnapshotAbortedError
 from ..providers import StateProvider
 from ..providers.tensor import host_copy
 from .device import CPU, Completion, CopyDevice, devices_of, for_providers
-from .latch import Latch
 from .pool import HostPool
-from .workers import JobThreads
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .._signals import wait_in_slices
+from .._concurrency.signals import wait_in_slices
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import mmap
 
 import torch
 
-from .._pages import populate_write
+from .._platform.pages import populate_write
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import _cuda
+from .._platform import cuda as _cuda
 from .hostmem import SLICE_BYTES, PopulatedBuffer
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from crc32c import crc32c
 
-from dcp_datastates.snapshot.priority import lower_thread_priority
+from dcp_datastates._concurrency.priority import lower_thread_priority
 
 from .state import tensors_of
 

@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, async_save
-from dcp_datastates.tiers import Tier, TieredCheckpointer
+from dcp_datastates.checkpointers.tiers import Tier, TieredCheckpointer
 
 from . import state
 from .common import GB, Recorder, Spread, alternate, fresh_dir, log, now

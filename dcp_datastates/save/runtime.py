@@ -40,17 +40,17 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem
 
+from .._concurrency.latch import Latch
+from .._concurrency.workers import JobThreads
 from ..errors import InvalidStateDictError, SnapshotAbortedError, WriterClosedError
-from ..flush import flush
 from ..options import MiB, WriterOptions
 from ..providers import StateProvider
-from ..storage import Storage
-from . import forward_gate as _forward_gate
-from . import guard as _guard
-from .engine import SnapshotScheduler, SnapshotSession
-from .latch import Latch
-from .pool import HostPool, block_slack
-from .workers import JobThreads
+from ..snapshot import forward_gate as _forward_gate
+from ..snapshot import guard as _guard
+from ..snapshot.engine import SnapshotScheduler, SnapshotSession
+from ..snapshot.pool import HostPool, block_slack
+from ..storage.base import Storage
+from .flush import flush
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ChecksumMismatchError, UnsafeCheckpointError
-from .format import record_frame
+from ..errors import ChecksumMismatchError, UnsafeCheckpointError
+from ..format import record_frame
 
 #: Bytes fetched per read while ``torch.load`` walks a record's zip directory and pickle.
 _BLOCK = 64 << 10

@@ -16,7 +16,7 @@ cover some errors and not others (a 503 without "SlowDown" in its text fails at 
   transient failures (5xx, throttling, timeouts, resets); botocore's own retries are turned off
   unless configured, so the bound is ours. Permanent ones (403, no such bucket) fail at once with
   :class:`ObjectStoreError` naming the bucket, key and cause. (The requests and their retry loop
-  live in :mod:`dcp_datastates._s3_client`.)
+  live in :mod:`dcp_datastates.storage._s3_client`.)
 * **No orphans.** A failed object aborts its multipart upload; ``makedirs`` (every rank, before
   any rank writes) aborts uploads an earlier crashed save left under the prefix.
 * **Ranged reads.** ``open_ranged`` serves ``read_into`` with a ranged GET whose body streams
@@ -243,7 +243,7 @@ class S3Storage:
         self.part_bytes, self.parts_in_flight = part_bytes, parts_in_flight
         self.client = _Client(self.fs, self.bucket, retry)
 
-    #: Load I/O shape for :class:`~dcp_datastates.fetch.FetchOptions`: each GET costs a round
+    #: Load I/O shape for :class:`~dcp_datastates.load.fetch.FetchOptions`: each GET costs a round
     #: trip, so neighbours share reads up to 8 MiB and big records go in 16 MiB ranges.
     read_hints = {
         "coalesce_bytes": 8 * MiB,

@@ -66,12 +66,19 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from . import _dcp_private, localfile, path_turns
+from .. import _dcp_private
+from .._concurrency.futures import RelayFuture
+from ..errors import InvalidStateDictError, WriterClosedError, WriterUsageError
+from ..format import new_save_id
+from ..snapshot.capture import Capture
+from ..snapshot.engine import SnapshotSession
+from ..snapshot.replay import CaptureCache
+from ..stats import SaveStats
+from ..storage import localfile
+from ..storage.base import Storage, is_local, storage_for
 from . import commit as _commit
+from . import path_turns
 from .compat import lazy_staging_planner, stock_stage, writer_options
-from .dcp_future import RelayFuture
-from .errors import InvalidStateDictError, WriterClosedError, WriterUsageError
-from .format import new_save_id
 from .planner import (
     PLANNED_KEY,
     GlobalPlanMemo,
@@ -81,12 +88,7 @@ from .planner import (
     provider_from_any_planner,
 )
 from .process_staging import daemon_runtime, raise_relayed, stage_for_process
-from .snapshot.capture import Capture
-from .snapshot.engine import SnapshotSession
-from .snapshot.replay import CaptureCache
-from .snapshot.runtime import SnapshotRuntime
-from .stats import SaveStats
-from .storage import Storage, is_local, storage_for
+from .runtime import SnapshotRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +227,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     """A DCP storage writer with a lazy snapshot and a streaming flush.
 
     Takes every argument of stock ``FileSystemWriter``, by name and in the same positions (see
-    :mod:`dcp_datastates.compat` and the README's table); our own options are keyword-only.
+    :mod:`dcp_datastates.save.compat` and the README's table); our own options are keyword-only.
 
     Args:
         path: Checkpoint directory: a local path or any fsspec URL. ``checkpoint_id`` passed to a

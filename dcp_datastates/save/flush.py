@@ -30,13 +30,13 @@ from crc32c import crc32c
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from . import localfile
-from .errors import DataStatesError, StorageWriteError
-from .format import DATA_SUFFIX, RecordInfo
-from .snapshot.engine import PENDING, LiveWrite, SnapshotSession
-from .snapshot.latch import Latch
-from .snapshot.priority import lower_thread_priority
-from .storage import Storage, _write_error
+from .._concurrency.latch import Latch
+from .._concurrency.priority import lower_thread_priority
+from ..errors import DataStatesError, StorageWriteError
+from ..format import DATA_SUFFIX, RecordInfo
+from ..snapshot.engine import PENDING, LiveWrite, SnapshotSession
+from ..storage import localfile
+from ..storage.base import Storage, _write_error
 
 logger = logging.getLogger(__name__)
 

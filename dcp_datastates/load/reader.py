@@ -2,11 +2,11 @@
 
 Metadata and manifest are read here and checked (safe mode); ``read_data`` groups the plan's
 items by record, resolves their targets on DCP's thread and hands the reads to
-:mod:`dcp_datastates.fetch`, which reads raw data regions straight into the targets in parallel
+:mod:`dcp_datastates.load.fetch`, which reads raw data regions straight into the targets in parallel
 and verifies checksums. Stock ``FileSystemWriter`` checkpoints (no manifest) are read the same
-way, with their data located by :mod:`dcp_datastates.locate`, and without checksums.
+way, with their data located by :mod:`dcp_datastates.load.locate`, and without checksums.
 
-Loads are safe by default (see :mod:`dcp_datastates.safety`): ``.metadata`` unpickles only DCP
+Loads are safe by default (see :mod:`dcp_datastates.load.safety`): ``.metadata`` unpickles only DCP
 metadata types, file names must stay inside the checkpoint directory, records inside their files,
 and object items must pass ``torch.load(weights_only=True)`` (``io.BytesIO`` values allowed: they
 are bytes). ``trusted=True`` lifts all of this.
@@ -37,11 +37,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ._dcp_private import ExtensionRegistry, StreamTransformExtension, set_element
-from .dcp_future import completed
-from .errors import CheckpointNotCommittedError, ChecksumMismatchError
-from .fetch import Fetch, FetchOptions, Record
-from .format import (
+from .._concurrency.futures import completed
+from .._dcp_private import ExtensionRegistry, StreamTransformExtension, set_element
+from ..errors import CheckpointNotCommittedError, ChecksumMismatchError
+from ..format import (
     DATA_SUFFIX,
     METADATA_NAME,
     RANK_METADATA,
@@ -52,9 +51,10 @@ from .format import (
     manifest_name,
     metadata_name,
 )
+from ..storage.base import LocalStorage, storage_for
+from .fetch import Fetch, FetchOptions, Record
 from .object_records import MISS, fast_load
 from .safety import check_extents, check_object_record, check_relative_path, load_metadata
-from .storage import LocalStorage, storage_for
 
 logger = logging.getLogger(__name__)
 

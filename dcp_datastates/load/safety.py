@@ -22,10 +22,10 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ._dcp_private import PRIVATE_METADATA_GLOBALS
-from .errors import ChecksumMismatchError, UnsafeCheckpointError
+from .._dcp_private import PRIVATE_METADATA_GLOBALS
+from ..errors import ChecksumMismatchError, UnsafeCheckpointError
+from ..storage.base import FsspecStorage, LocalStorage
 from .object_records import MISS, fast_load
-from .storage import FsspecStorage, LocalStorage
 
 _HOW_TO_TRUST = (
     "Load it with DataStatesReader(path, trusted=True) only if you trust whoever wrote it"

@@ -16,11 +16,11 @@ from torch.distributed.checkpoint.state_dict_saver import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .._dcp_private import AsyncSaveCall, require_cpu_backend
+from ..errors import CheckpointSaveError
+from ..stats import SaveStats
 from . import path_turns
-from ._dcp_private import AsyncSaveCall, require_cpu_backend
-from .errors import CheckpointSaveError
 from .planner import StagedSavePlanner
-from .stats import SaveStats
 from .writer import (
     _ANNOUNCED,
     DataStatesWriter,

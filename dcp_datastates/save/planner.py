@@ -13,15 +13,15 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from .errors import InvalidStateDictError
-from .providers import (
+from ..errors import InvalidStateDictError
+from ..providers import (
     ObjectProvider,
     StateProvider,
     TensorProvider,
     has_registered_provider,
     provider_for,
 )
-from .providers.tensor import is_dense, not_dense_error
+from ..providers.tensor import is_dense, not_dense_error
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 

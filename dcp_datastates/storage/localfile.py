@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._pages import populate_write
+from .._platform.pages import populate_write
 
 #: Alignment of direct writes: memory, offset and length (4 KiB covers 512 B and 4 KiB devices).
 ALIGN = 4096

@@ -43,16 +43,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from . import _signals
-from ._signals import wait_in_slices
-from .api import async_save
-from .compat import STOCK_WRITER_ARGS, unknown_options
-from .errors import CheckpointNotCommittedError, CheckpointSaveError
-from .format import METADATA_NAME
-from .options import WriterOptions
-from .reader import DataStatesReader
-from .storage import LocalStorage
-from .writer import DataStatesWriter
+from .._concurrency import signals as _signals
+from .._concurrency.signals import wait_in_slices
+from ..errors import CheckpointNotCommittedError, CheckpointSaveError
+from ..format import METADATA_NAME
+from ..load.reader import DataStatesReader
+from ..options import WriterOptions
+from ..save.api import async_save
+from ..save.compat import STOCK_WRITER_ARGS, unknown_options
+from ..save.writer import DataStatesWriter
+from ..storage.base import LocalStorage
 
 logger = logging.getLogger(__name__)
 

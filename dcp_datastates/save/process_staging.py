@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .errors import DataStatesError, InvalidStateDictError
+from ..errors import DataStatesError, InvalidStateDictError
+from ..providers.tensor import TensorProvider
+from ..snapshot import forward_gate as _forward_gate
+from ..snapshot import guard as _guard
 from .planner import check_state_dict
-from .providers.tensor import TensorProvider
-from .snapshot import forward_gate as _forward_gate
-from .snapshot import guard as _guard
 
 logger = logging.getLogger(__name__)
 

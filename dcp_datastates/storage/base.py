@@ -14,7 +14,7 @@ from typing import Any, BinaryIO, Protocol
 
 import fsspec
 
-from .errors import StorageWriteError
+from ..errors import StorageWriteError
 from .localfile import DirectFile
 
 _BUFFER = 4 << 20
@@ -372,7 +372,7 @@ def storage_for(
     if is_local(text):
         return LocalStorage(text, direct=direct)
     if text.startswith(("s3://", "s3a://")):
-        from .storage_s3 import S3Storage  # s3fs is an extra: imported only for s3 URLs
+        from .s3 import S3Storage  # s3fs is an extra: imported only for s3 URLs
 
         return S3Storage(text, storage_options)
     return FsspecStorage(text, storage_options)

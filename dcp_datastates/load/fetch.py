@@ -17,7 +17,7 @@ reads each region in one request and checks it after); the record's checksum is 
 CRCs combined in file order, compared when its last region lands.
 
 Records of stock ``FileSystemWriter`` checkpoints carry no manifest entry: their data is found
-with :func:`~dcp_datastates.locate.locate_tensor`, and read the same way, without a checksum.
+with :func:`~dcp_datastates.load.locate.locate_tensor`, and read the same way, without a checksum.
 A stock record written through stream transforms (compression) is read whole, decoded by the
 reader's ``decode`` and then handled as any record held in memory.
 """
@@ -36,13 +36,13 @@ from crc32c import crc32c
 from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.planner import ReadItem
 
+from ..errors import ChecksumMismatchError
+from ..format import RecordInfo, data_start
+from ..storage.base import RangedFile
 from .bounce import BounceBuffers
 from .checksum import CHECK_PIECE, crc32c_combine, read_checked
-from .errors import ChecksumMismatchError
-from .format import RecordInfo, data_start
 from .locate import NotLocatable, StockLayout, locate_stock_tensor
 from .read_pool import Runner
-from .storage import RangedFile
 
 logger = logging.getLogger(__name__)
 

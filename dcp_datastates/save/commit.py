@@ -18,9 +18,9 @@ from crc32c import crc32c
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ._dcp_private import StorageInfo
-from .errors import DataStatesError, WriterUsageError
-from .format import (
+from .._dcp_private import StorageInfo
+from ..errors import DataStatesError, WriterUsageError
+from ..format import (
     DATA_SUFFIX,
     METADATA_NAME,
     RANK_METADATA,
@@ -30,7 +30,7 @@ from .format import (
     manifest_name,
     metadata_name,
 )
-from .storage import Storage, _write_error
+from ..storage.base import Storage, _write_error
 
 logger = logging.getLogger(__name__)
 

@@ -49,13 +49,13 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .api import async_save
-from .errors import DataStatesError, WriterUsageError
-from .format import MANIFEST_NAME, METADATA_NAME
-from .reader import DataStatesReader
-from .safety import load_metadata
-from .storage import LocalStorage, Storage, storage_for
-from .writer import DataStatesWriter
+from ..errors import DataStatesError, WriterUsageError
+from ..format import MANIFEST_NAME, METADATA_NAME
+from ..load.reader import DataStatesReader
+from ..load.safety import load_metadata
+from ..save.api import async_save
+from ..save.writer import DataStatesWriter
+from ..storage.base import LocalStorage, Storage, storage_for
 
 logger = logging.getLogger(__name__)
 

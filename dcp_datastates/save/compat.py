@@ -15,7 +15,7 @@ import difflib
 from collections.abc import Sequence
 from typing import Any
 
-from .options import WriterOptions
+from ..options import WriterOptions
 
 #: Methods that decide what a save holds: a planner overriding any of them is the user's own.
 _PLANNING_METHODS = (
@@ -134,11 +134,13 @@ def lazy_staging_planner(planner: Any) -> bool:
         return True
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    from .planner import DataStatesSavePlanner, StagedSavePlanner
+
     if not isinstance(planner, DefaultSavePlanner):
         return False
-    if any(
+    # Our own planners (exactly these classes, not a user's subclass of them) plan as we do.
+    if type(planner) not in (DataStatesSavePlanner, StagedSavePlanner) and any(
         getattr(type(planner), name, None) is not getattr(DefaultSavePlanner, name)
-        and type(planner).__module__ != "dcp_datastates.planner"
         for name in _PLANNING_METHODS
     ):
         return False

@@ -3,7 +3,7 @@ transient (retried) and permanent (raised at once, naming bucket, key and cause)
 
 Requests run as coroutines on s3fs's event loop with its aiobotocore client, not through s3fs's
 own wrapper (which retries some transient errors and not others); :class:`_Client` makes them
-callable, retried, from any thread. Used by :mod:`dcp_datastates.storage_s3`.
+callable, retried, from any thread. Used by :mod:`dcp_datastates.storage.s3`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import DataStatesError
+from ..errors import DataStatesError
 
 logger = logging.getLogger(__name__)
 

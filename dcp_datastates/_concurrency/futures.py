@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .errors import portable
-from .snapshot.latch import Latch
+from ..errors import portable
+from .latch import Latch
 
 
 class RelayFuture(torch.futures.Future):

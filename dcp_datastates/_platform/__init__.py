@@ -1,0 +1,5 @@
+"""What the machine offers: pinned host memory through CUDA (``cuda``) and page population (``pages``).
+
+Owns: the one guarded import of ``cuda_ext`` and its pure-torch fallback.
+May import: nothing of the package.
+"""

@@ -1,0 +1,8 @@
+"""The load path: ``DataStatesReader``, a DCP ``StorageReader`` that verifies every checksum.
+
+``reader`` (the DCP calls) -> ``fetch`` (raw data regions straight into the targets, in
+parallel on ``read_pool``, through ``bounce`` buffers where the target cannot take them) ->
+``checksum`` (crc32c as bytes arrive). ``locate`` finds data inside stock records,
+``object_records`` loads small pickled records fast, ``safety`` refuses what it must not unpickle.
+May import: ``storage`` and the leaves. Never ``save``.
+"""
