@@ -4,6 +4,7 @@ A DCP storage backend with a lazy snapshot (copies overlap training; only the ne
 step may wait), typed state providers and a streaming flush, writing files stock DCP can read.
 """
 
+from . import _moved
 from .checkpointers.checkpointer import Checkpointer
 from .errors import (
     CheckpointNotCommittedError,
@@ -25,8 +26,6 @@ from .save.api import async_save
 from .save.planner import DataStatesSavePlanner
 from .save.writer import DataStatesWriter
 from .stats import SaveStats
-
-from . import _moved
 
 __version__ = "0.1.0"
 
