@@ -22,7 +22,7 @@ from dcp_datastates._platform import cuda as _cuda
 from dcp_datastates.load.bounce import BounceBuffers
 from dcp_datastates.providers.tensor import TensorProvider
 from dcp_datastates.snapshot.device import CPU, coalesced_sources, for_providers
-from dcp_datastates.snapshot.engine import SnapshotSession
+from dcp_datastates.snapshot.session import SnapshotSession
 from dcp_datastates.snapshot.pool import HostPool
 from dcp_datastates.storage.base import LocalStorage
 

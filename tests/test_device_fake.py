@@ -29,7 +29,7 @@ from dcp_datastates.snapshot.device import (
     use_device,
 )
 from dcp_datastates.snapshot.device_fake import FakeDevice
-from dcp_datastates.snapshot.engine import ADMITTED, SnapshotScheduler, SnapshotSession
+from dcp_datastates.snapshot.session import ADMITTED, SnapshotScheduler, SnapshotSession
 from dcp_datastates.snapshot.pool import HostPool
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,7 +21,7 @@ from dcp_datastates.save import runtime as runtime_mod
 from dcp_datastates.save.flush import assign_files
 from dcp_datastates.save.planner import plan_providers
 from dcp_datastates.save.runtime import SnapshotRuntime
-from dcp_datastates.snapshot.engine import (
+from dcp_datastates.snapshot.session import (
     ADMITTED,
     COPIED,
     FAILED,

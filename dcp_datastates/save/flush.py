@@ -34,7 +34,7 @@ from .._concurrency.latch import Latch
 from .._concurrency.priority import lower_thread_priority
 from ..errors import DataStatesError, StorageWriteError
 from ..format import DATA_SUFFIX, RecordInfo
-from ..snapshot.engine import PENDING, LiveWrite, SnapshotSession
+from ..snapshot.session import PENDING, LiveWrite, SnapshotSession
 from ..storage import localfile
 from ..storage.base import Storage, _write_error
 

@@ -71,7 +71,7 @@ from .._concurrency.futures import RelayFuture
 from ..errors import InvalidStateDictError, WriterClosedError, WriterUsageError
 from ..format import new_save_id
 from ..snapshot.capture import Capture
-from ..snapshot.engine import SnapshotSession
+from ..snapshot.session import SnapshotSession
 from ..snapshot.replay import CaptureCache
 from ..stats import SaveStats
 from ..storage import localfile
