@@ -29,8 +29,9 @@ from dcp_datastates.snapshot.device import (
     use_device,
 )
 from dcp_datastates.snapshot.device_fake import FakeDevice
-from dcp_datastates.snapshot.session import ADMITTED, SnapshotScheduler, SnapshotSession
+from dcp_datastates.snapshot.pieces import ADMITTED
 from dcp_datastates.snapshot.pool import HostPool
+from dcp_datastates.snapshot.session import SnapshotScheduler, SnapshotSession
 
 pytestmark = pytest.mark.timeout(60)
 

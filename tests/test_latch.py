@@ -14,7 +14,7 @@ from conftest import EVENT_TIMEOUT_S
 
 import dcp_datastates
 from dcp_datastates._concurrency.latch import Latch
-from dcp_datastates.snapshot.session import Piece
+from dcp_datastates.snapshot.pieces import Piece
 
 
 def test_a_latch_set_before_the_wait_returns_at_once_and_makes_no_event() -> None:

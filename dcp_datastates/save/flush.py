@@ -34,7 +34,8 @@ from .._concurrency.latch import Latch
 from .._concurrency.priority import lower_thread_priority
 from ..errors import DataStatesError, StorageWriteError
 from ..format import DATA_SUFFIX, RecordInfo
-from ..snapshot.session import PENDING, LiveWrite, SnapshotSession
+from ..snapshot.pieces import PENDING, LiveWrite
+from ..snapshot.session import SnapshotSession
 from ..storage import localfile
 from ..storage.base import Storage, _write_error
 

@@ -47,8 +47,8 @@ from ..options import MiB, WriterOptions
 from ..providers import StateProvider
 from ..snapshot import forward_gate as _forward_gate
 from ..snapshot import guard as _guard
-from ..snapshot.session import SnapshotScheduler, SnapshotSession
 from ..snapshot.pool import HostPool, block_slack
+from ..snapshot.session import SnapshotScheduler, SnapshotSession
 from ..storage.base import Storage
 from .flush import flush
 

@@ -54,7 +54,6 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 from .._concurrency.latch import Latch
@@ -63,77 +62,23 @@ from ..errors import SnapshotAbortedError
 from ..providers import StateProvider
 from ..providers.tensor import host_copy
 from .device import CPU, Completion, CopyDevice, devices_of, for_providers
+from .pieces import (
+    ADMITTED,
+    COPIED,
+    FAILED,
+    LIVE,
+    PENDING,
+    RELEASED,
+    SKIPPED,
+    WRITTEN,
+    LiveWrite,
+    Piece,
+    Slice,
+    lay_out,
+)
 from .pool import HostPool
 
 logger = logging.getLogger(__name__)
-
-PENDING, ADMITTED, COPIED, RELEASED, SKIPPED, FAILED, LIVE, WRITTEN = (
-    "PENDING",
-    "ADMITTED",
-    "COPIED",
-    "RELEASED",
-    "SKIPPED",
-    "FAILED",
-    "LIVE",
-    "WRITTEN",
-)
-
-
-@dataclass(eq=False)
-class Piece:
-    seq: int
-    nbytes: int
-    #: (provider, source start, source stop, offset inside the piece)
-    parts: list[tuple[StateProvider, int, int, int]] = field(default_factory=list)
-    state: str = PENDING
-    offset: int = -1  # pool offset once ADMITTED
-    refs: int = 0
-    copying: bool = False  # a copy worker took it: the flush may no longer write it live
-    done: Latch = field(default_factory=Latch)
-    #: set once the piece has its pool block (or is done): a live write may claim it then
-    admitted: Latch = field(default_factory=Latch)
-    #: set once the copy is enqueued on the device (or the piece is done): a fence may follow
-    enqueued: Latch = field(default_factory=Latch)
-    completion: Completion | None = None
-
-    def finish(self) -> None:
-        self.admitted.set()
-        self.enqueued.set()
-        self.done.set()
-
-    def check_unchanged(self, rank: int) -> None:
-        for provider, _, _, _ in self.parts:
-            provider.check_unchanged(rank)
-
-
-class LiveWrite:
-    """A LIVE piece's write from the live tensor (``flush._write_live``): ``n`` live bytes at
-    address ``src``, of which the flush has read ``read`` (into its file's buffer, a step at a
-    time, under ``lock``); the rest, if the write is taken over, goes to the pool at ``dst``
-    (set by ``claim_live``). It ends once, under ``lock``, in
-    :meth:`SnapshotSession.end_live_write`."""
-
-    def __init__(
-        self, piece: Piece, provider: Any, view: memoryview, src: int, span: tuple[int, int, int]
-    ) -> None:
-        self.piece, self.provider, self.view, self.src = piece, provider, view, src
-        # The part's bytes in the tensor ([start, stop)) and where they start inside the piece.
-        self.start, self.stop, self.at = span
-        self.n = view.nbytes
-        self.dst = 0
-        self.lock = threading.Lock()
-        self.read = 0
-        self.ended = False
-        self.error: BaseException | None = None
-
-
-@dataclass(frozen=True)
-class Slice:
-    """Part of one item's data: ``length`` bytes at ``start`` inside ``piece``."""
-
-    piece: Piece
-    start: int
-    length: int
 
 
 class SnapshotSession:
@@ -241,52 +186,15 @@ class SnapshotSession:
         self.abort(error)
         self.planned.set()
 
-    def _new_piece(self) -> Piece:
-        piece = Piece(seq=len(self.pieces), nbytes=0)
-        self.pieces.append(piece)
-        return piece
-
     def _build(self, items: Sequence[tuple[Any, StateProvider]], chunk: int, small: int) -> None:
-        batch: Piece | None = None
-        for key, provider in items:
-            self.providers[key] = provider
-            nbytes = provider.nbytes
-            if nbytes == 0:
-                self.slices[key] = []
-                continue
-            if nbytes < small:
-                if batch is None or batch.nbytes + nbytes > chunk:
-                    batch = self._new_piece()
-                self._add(key, batch, provider, 0, nbytes)
-                continue
-            batch = None
-            for start, stop in provider.split(chunk):
-                self._add(key, self._new_piece(), provider, start, stop)
+        layout = lay_out(items, chunk, small)
+        self.providers.update(layout.providers)
+        self.slices.update(layout.slices)
+        self.pieces.extend(layout.pieces)
+        self.live_parts += layout.live_parts
         self._unfinished = len(self.pieces)
         if not self.pieces:
             self._mark_staged()
-
-    def _add(self, key: Any, piece: Piece, provider: StateProvider, start: int, stop: int) -> None:
-        at = piece.nbytes
-        at += (-at) % 64  # keep every part aligned for dtype views of the pool
-        # Only a piece's first part: the lookup is skipped for the rest (thousands of small
-        # tensors coalesced).
-        if (
-            at == 0
-            and (skew := getattr(provider, "live_skew", None)) is not None
-            and (s := skew(start)) is not None
-        ):
-            # A part the flush may write from the live tensor lies in the pool at the same
-            # address modulo a block: its record's padding then suits both (flush.py).
-            at = s
-            self.live_parts += 1
-        piece.parts.append((provider, start, stop, at))
-        note_part = getattr(provider, "note_part", None)
-        if note_part is not None:
-            note_part()
-        piece.nbytes = at + (stop - start)
-        piece.refs += 1
-        self.slices.setdefault(key, []).append(Slice(piece, at, stop - start))
 
     @property
     def nbytes(self) -> int:
