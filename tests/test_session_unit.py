@@ -31,7 +31,8 @@ from dcp_datastates.snapshot.pieces import (
     lay_out,
 )
 from dcp_datastates.snapshot.pool import HostPool
-from dcp_datastates.snapshot.session import SnapshotScheduler, SnapshotSession, _copy_piece
+from dcp_datastates.snapshot.scheduler import SnapshotScheduler, _copy_piece
+from dcp_datastates.snapshot.session import SnapshotSession
 
 
 def never() -> bool:

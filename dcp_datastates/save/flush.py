@@ -12,7 +12,7 @@ the snapshot order, and writes each of their pieces that no copy has started on 
 tensor (``claim_live``, ``TensorProvider.begin_live``), a step at a time through the file's
 buffer, while the copies go from the front; what the flush reads before the copies get there is
 never copied into the pool. Such a piece lies in the pool at its source address modulo a block
-(``engine.SnapshotSession._add``), so one padding suits both paths. Once an optimizer step
+(``pieces.lay_out``), so one padding suits both paths. Once an optimizer step
 begins (``stop_live``) or the copies are done, the rest is copied into the pool and comes from
 there (``take_over_live``).
 """

@@ -48,7 +48,8 @@ from ..providers import StateProvider
 from ..snapshot import forward_gate as _forward_gate
 from ..snapshot import guard as _guard
 from ..snapshot.pool import HostPool, block_slack
-from ..snapshot.session import SnapshotScheduler, SnapshotSession
+from ..snapshot.scheduler import SnapshotScheduler
+from ..snapshot.session import SnapshotSession
 from ..storage.base import Storage
 from .flush import flush
 
