@@ -34,11 +34,8 @@ A piece is released when every item slice that refers to it was flushed or dropp
 A session is *retired* once its save is over (flushed, failed or dropped) and no copy is in
 flight: it then lets go of its providers, and so of the caller's tensors.
 
-A piece is COPIED only once its copy is done (``copied``): the scheduler (``scheduler.py``)
-admits pieces and runs their copies, and on a device with asynchronous copies it reports a copy
-only once its completion event fired, so no flush reads a pool block, and no abort frees one,
-before its copy is done. The optimizer-step guard may *fence* instead of waiting
-(:meth:`fence_on_device`).
+A piece is COPIED only once its copy is done, on any device (``scheduler.py`` says how); the
+optimizer-step guard may *fence* on the device instead of waiting (:meth:`fence_on_device`).
 """
 
 from __future__ import annotations
@@ -221,6 +218,11 @@ class SnapshotSession:
                 piece.copying = True
                 return True
             return False
+
+    def wait_admitted(self, piece: Piece) -> None:
+        """Wait until ``piece`` has its pool block or is done: a live write may claim it then."""
+        if piece.state == PENDING:
+            piece.admitted.wait()
 
     def claim_live(self, piece: Piece, write: LiveWrite) -> bool:
         """Whether the flush writes ``piece`` from the live tensor (``write``): it is admitted
@@ -470,6 +472,12 @@ class SnapshotSession:
                 self.abort(exc)
         self.fenced = True
         return True
+
+    def live_rest(self, write: LiveWrite) -> memoryview:
+        """The bytes a taken-over ``write`` left unread, in its piece's pool block (COPIED)."""
+        return self.pool.memoryview(
+            write.piece.offset + write.at + write.read, write.n - write.read
+        )
 
     def ready(self, slice_: Slice) -> bool:
         """Whether ``wait(slice_)`` returns (or raises) without waiting."""
