@@ -36,6 +36,7 @@ MOVED = {
     "writer": "save.writer",
     "api": "save.api",
     "snapshot.runtime": "save.runtime",
+    "snapshot.engine": "snapshot.session",
     "reader": "load.reader",
     "fetch": "load.fetch",
     "read_pool": "load.read_pool",

@@ -32,7 +32,7 @@ from bench_lib.common import alternate  # noqa: E402
 
 import dcp_datastates.save.flush as flush_mod
 from dcp_datastates import DataStatesWriter, async_save
-from dcp_datastates.snapshot.engine import SnapshotSession  # noqa: E402
+from dcp_datastates.snapshot.session import SnapshotSession  # noqa: E402
 from dcp_datastates.storage import localfile  # noqa: E402
 
 GB = 1 << 30

@@ -146,7 +146,7 @@ def cpu(saves: int) -> None:
 
     import dcp_datastates
     from dcp_datastates.save import flush as flush_mod
-    from dcp_datastates.snapshot import engine
+    from dcp_datastates.snapshot import scheduler as scheduler_mod
 
     spent: dict[str, float] = {"copy": 0.0, "flush": 0.0}
 
@@ -160,7 +160,7 @@ def cpu(saves: int) -> None:
 
         return timed
 
-    engine._copy_piece = on_thread_clock("copy", engine._copy_piece)
+    scheduler_mod._copy_piece = on_thread_clock("copy", scheduler_mod._copy_piece)
     flush_mod._flush_file = on_thread_clock("flush", flush_mod._flush_file)
     trainee = _Trainee.make(TrainConfig())
     for _ in range(2):

@@ -22,8 +22,8 @@ from dcp_datastates._platform import cuda as _cuda
 from dcp_datastates.load.bounce import BounceBuffers
 from dcp_datastates.providers.tensor import TensorProvider
 from dcp_datastates.snapshot.device import CPU, coalesced_sources, for_providers
-from dcp_datastates.snapshot.engine import SnapshotSession
 from dcp_datastates.snapshot.pool import HostPool
+from dcp_datastates.snapshot.session import SnapshotSession
 from dcp_datastates.storage.base import LocalStorage
 
 pytestmark = pytest.mark.timeout(120)

@@ -29,8 +29,10 @@ from dcp_datastates.snapshot.device import (
     use_device,
 )
 from dcp_datastates.snapshot.device_fake import FakeDevice
-from dcp_datastates.snapshot.engine import ADMITTED, SnapshotScheduler, SnapshotSession
+from dcp_datastates.snapshot.pieces import ADMITTED
 from dcp_datastates.snapshot.pool import HostPool
+from dcp_datastates.snapshot.scheduler import SnapshotScheduler
+from dcp_datastates.snapshot.session import SnapshotSession
 
 pytestmark = pytest.mark.timeout(60)
 

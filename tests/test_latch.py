@@ -14,7 +14,7 @@ from conftest import EVENT_TIMEOUT_S
 
 import dcp_datastates
 from dcp_datastates._concurrency.latch import Latch
-from dcp_datastates.snapshot import engine
+from dcp_datastates.snapshot.pieces import Piece
 
 
 def test_a_latch_set_before_the_wait_returns_at_once_and_makes_no_event() -> None:
@@ -71,7 +71,7 @@ def test_a_set_racing_the_first_wait_never_leaves_the_waiter_asleep() -> None:
 
 def test_a_save_whose_flush_starts_once_staged_makes_no_event_for_its_pieces(tmp_path) -> None:
     made: list[Latch] = []
-    original = engine.Piece.__init__
+    original = Piece.__init__
 
     def recording_init(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         original(self, *args, **kwargs)
@@ -82,14 +82,14 @@ def test_a_save_whose_flush_starts_once_staged_makes_no_event_for_its_pieces(tmp
     writer = dcp_datastates.DataStatesWriter(
         tmp_path / "w", chunk_bytes=64 * 1024, coalesce_bytes=4096
     )
-    engine.Piece.__init__ = recording_init  # type: ignore[method-assign]
+    Piece.__init__ = recording_init  # type: ignore[method-assign]
     try:
         response = dcp_datastates.async_save(
             sd, writer, checkpoint_id=tmp_path / "ckpt", no_dist=True
         )
         response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
     finally:
-        engine.Piece.__init__ = original  # type: ignore[method-assign]
+        Piece.__init__ = original  # type: ignore[method-assign]
         writer.close()
     assert len(made) >= 6  # one piece per 256 KiB tensor at least
     assert all(p.done.is_set() and p.enqueued.is_set() for p in made)

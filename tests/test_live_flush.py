@@ -31,7 +31,7 @@ from dcp_datastates import (
 from dcp_datastates._concurrency.latch import Latch
 from dcp_datastates.format import METADATA_NAME
 from dcp_datastates.providers import tensor as tensor_mod
-from dcp_datastates.snapshot.engine import SnapshotSession
+from dcp_datastates.snapshot.session import SnapshotSession
 from dcp_datastates.stats import SaveStats
 from dcp_datastates.storage import localfile
 from dcp_datastates.storage.localfile import DirectFile

@@ -433,7 +433,7 @@ def test_big_tensors_are_written_from_the_pool_at_aligned_offsets_and_load_back(
     entries = decode_manifest((tmp_path / "ckpt" / MANIFEST_NAME).read_bytes())
     big = {k: e for k, e in entries.items() if e.data_length >= localfile.EXTERNAL_MIN}
     assert sorted(big) == ["a@0", "c@0,0", "d@0"]
-    # Each at its tensor's address modulo a block: its pool copy lies the same way (engine.py),
+    # Each at its tensor's address modulo a block: its pool copy lies the same way (pieces.py),
     # so either can be written directly.
     for key, e in big.items():
         assert e.data_offset % ALIGN == state[key.split("@")[0]].data_ptr() % ALIGN, key

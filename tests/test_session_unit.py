@@ -21,18 +21,18 @@ from dcp_datastates.save import runtime as runtime_mod
 from dcp_datastates.save.flush import assign_files
 from dcp_datastates.save.planner import plan_providers
 from dcp_datastates.save.runtime import SnapshotRuntime
-from dcp_datastates.snapshot.engine import (
+from dcp_datastates.snapshot.pieces import (
     ADMITTED,
     COPIED,
     FAILED,
     PENDING,
     RELEASED,
     SKIPPED,
-    SnapshotScheduler,
-    SnapshotSession,
-    _copy_piece,
+    lay_out,
 )
 from dcp_datastates.snapshot.pool import HostPool
+from dcp_datastates.snapshot.scheduler import SnapshotScheduler, _copy_piece
+from dcp_datastates.snapshot.session import SnapshotSession
 
 
 def never() -> bool:
@@ -70,6 +70,34 @@ def test_big_tensors_are_chunked_and_small_ones_coalesced_in_snapshot_order() ->
     assert all(part[3] % 64 == 0 for part in coalesced.parts)  # aligned inside the piece
     assert session.slices[items[-1][0].index] == []  # the object is eager: no slices
     assert all(p.state == PENDING for p in session.pieces)
+
+
+def test_lay_out_cuts_and_coalesces_without_a_session_or_a_pool() -> None:
+    items = [
+        (item.index, provider)
+        for item, provider in plan_providers(
+            {
+                "a": torch.zeros(8),
+                "big": torch.zeros(2048),
+                "b": torch.zeros(8),
+                "c": torch.zeros(8),
+            }
+        )
+    ]
+    layout = lay_out(items, chunk=4096, small=1024)
+    # a alone (big ends its piece), big in two 4096-byte chunks, then b and c share one piece
+    assert [[part[0].fqn for part in p.parts] for p in layout.pieces] == [
+        ["a"],
+        ["big"],
+        ["big"],
+        ["b", "c"],
+    ]
+    assert [p.seq for p in layout.pieces] == [0, 1, 2, 3]
+    assert all(p.state == PENDING and p.offset == -1 for p in layout.pieces)
+    assert [p.refs for p in layout.pieces] == [1, 1, 1, 2]
+    assert list(layout.providers) == [key for key, _ in items]
+    b, c = layout.pieces[3].parts
+    assert (b[3], c[3]) == (0, 64)  # each part 64-byte aligned inside its piece
 
 
 def test_a_session_with_no_tensor_bytes_is_staged_at_once() -> None:

@@ -264,7 +264,7 @@ def test_a_writer_dropped_after_a_failed_save_gives_back_its_pool(
 
 def test_a_script_that_drops_a_writer_and_exits_at_once_exits_cleanly(tmp_path: Path) -> None:
     """A dropped writer frees its pool on its daemon scheduler thread; the interpreter's exit
-    waits for that (``engine._stop_at_exit``). Without it a daemon thread freeing the pool
+    waits for that (``scheduler._stop_at_exit``). Without it a daemon thread freeing the pool
     during finalization ended in ``std::terminate`` (exit status 134) in about half the runs."""
     script = tmp_path / "drop_and_exit.py"
     script.write_text(

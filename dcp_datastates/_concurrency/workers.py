@@ -59,7 +59,7 @@ class JobThreads:
             if self._threads:
                 return
             for i in range(self._count):
-                # Daemons: the scheduler's exit handler (engine._stop_at_exit) shuts the copy
+                # Daemons: the scheduler's exit handler (scheduler._stop_at_exit) shuts the copy
                 # workers down before the interpreter finalizes, and a planning thread serves
                 # the non-daemon save threads the interpreter joins at exit.
                 t = threading.Thread(target=self._work, name=f"{self._name}_{i}", daemon=True)

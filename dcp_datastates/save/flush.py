@@ -12,7 +12,7 @@ the snapshot order, and writes each of their pieces that no copy has started on 
 tensor (``claim_live``, ``TensorProvider.begin_live``), a step at a time through the file's
 buffer, while the copies go from the front; what the flush reads before the copies get there is
 never copied into the pool. Such a piece lies in the pool at its source address modulo a block
-(``engine.SnapshotSession._add``), so one padding suits both paths. Once an optimizer step
+(``pieces.lay_out``), so one padding suits both paths. Once an optimizer step
 begins (``stop_live``) or the copies are done, the rest is copied into the pool and comes from
 there (``take_over_live``).
 """
@@ -34,7 +34,8 @@ from .._concurrency.latch import Latch
 from .._concurrency.priority import lower_thread_priority
 from ..errors import DataStatesError, StorageWriteError
 from ..format import DATA_SUFFIX, RecordInfo
-from ..snapshot.engine import PENDING, LiveWrite, SnapshotSession
+from ..snapshot.pieces import LiveWrite
+from ..snapshot.session import SnapshotSession
 from ..storage import localfile
 from ..storage.base import Storage, _write_error
 
@@ -186,11 +187,10 @@ def _write_live(f: Any, session: SnapshotSession, slice_: Any, crc: int) -> int 
     piece = slice_.piece
     if len(piece.parts) != 1 or session.hurry():
         return None
-    if piece.state == PENDING:
-        # The scheduler admits pieces from the front while the flush starts from the back: a
-        # piece not admitted yet is waited for here, or the copy it fell back to (which needs
-        # the same admission) wrote it, and a piece the flush reached first was never live.
-        piece.admitted.wait()
+    # The scheduler admits pieces from the front while the flush starts from the back: a
+    # piece not admitted yet is waited for here, or the copy it fell back to (which needs
+    # the same admission) wrote it, and a piece the flush reached first was never live.
+    session.wait_admitted(piece)
     provider, start, stop, _ = piece.parts[0]
     begin = getattr(provider, "begin_live", None)
     view = begin(start, stop) if begin is not None else None
@@ -236,7 +236,7 @@ def _write_live(f: Any, session: SnapshotSession, slice_: Any, crc: int) -> int 
     if done == n:
         session.drop(slice_)
         return crc
-    data = session.pool.memoryview(piece.offset + slice_.start + done, n - done)
+    data = session.live_rest(write)
     crc = crc32c(data, value=crc)
     drop = functools.partial(session.drop, slice_)
     if not f.write_external(data, drop):

@@ -47,8 +47,9 @@ from ..options import MiB, WriterOptions
 from ..providers import StateProvider
 from ..snapshot import forward_gate as _forward_gate
 from ..snapshot import guard as _guard
-from ..snapshot.engine import SnapshotScheduler, SnapshotSession
 from ..snapshot.pool import HostPool, block_slack
+from ..snapshot.scheduler import SnapshotScheduler
+from ..snapshot.session import SnapshotSession
 from ..storage.base import Storage
 from .flush import flush
 

@@ -71,8 +71,8 @@ from .._concurrency.futures import RelayFuture
 from ..errors import InvalidStateDictError, WriterClosedError, WriterUsageError
 from ..format import new_save_id
 from ..snapshot.capture import Capture
-from ..snapshot.engine import SnapshotSession
 from ..snapshot.replay import CaptureCache
+from ..snapshot.session import SnapshotSession
 from ..stats import SaveStats
 from ..storage import localfile
 from ..storage.base import Storage, is_local, storage_for

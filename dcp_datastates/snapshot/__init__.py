@@ -1,8 +1,9 @@
 """The lazy snapshot: copying each item's bytes into the reused host pool while training goes on.
 
 Owns: ``capture`` / ``replay`` (what the caller's thread records at the call, and replaying a
-learnt layout), ``engine`` (the session state machine and its copy workers), ``pool`` and
-``hostmem`` (the bounded host pool), ``device`` / ``device_fake`` (the copy device: CPU, CUDA,
+learnt layout), ``pieces`` / ``session`` / ``scheduler`` (the pieces and their layout, their
+state machine, and the thread that admits and copies them), ``pool`` and ``hostmem`` (the
+bounded host pool), ``device`` / ``device_fake`` (the copy device: CPU, CUDA,
 and a test fake that runs behind the host), ``guard`` and ``forward_gate`` (holding writers back
 until their tensors are copied).
 May import: ``providers``, ``_concurrency``, ``_platform`` and the leaves. Never ``storage``,

@@ -3,7 +3,7 @@
 Blocks are reserved strictly in snapshot order by one scheduler thread, and may be released in any
 order; space is reclaimed from the oldest block forward. With pieces never larger than the pool,
 this cannot deadlock as long as the flush stage releases pieces in the order it was given them
-(see ``engine.py``).
+(see ``scheduler.py``).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ logger = logging.getLogger(__name__)
 
 #: Blocks start and end on 4 KiB: the flush writes a tensor's bytes straight from its block with
 #: ``O_DIRECT`` (``localfile.py``), which needs the memory address aligned to the device block.
-#: Parts inside a block stay 64-byte aligned (``engine.py``).
+#: Parts inside a block stay 64-byte aligned (``pieces.py``).
 ALIGN = 4096
 
 
 def block_slack(nbytes: int, coalesce_bytes: int) -> int:
     """Bytes a pool needs above ``nbytes`` of pieces for the rounding of their blocks: each block
     rounds up by less than ALIGN, and a block holds at least ``coalesce_bytes`` of a big tensor
-    or follows one (``engine.py``: small tensors share a block until a big one ends it), so there
+    or follows one (``pieces.py``: small tensors share a block until a big one ends it), so there
     are at most two blocks per ``coalesce_bytes``, and one more (0.8% with the default 1 MiB)."""
     return ALIGN * (2 * (nbytes // max(ALIGN, coalesce_bytes)) + 2)
 

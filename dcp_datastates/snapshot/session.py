@@ -1,4 +1,9 @@
-"""The snapshot stage: copies providers' bytes into the host pool in the background.
+"""The snapshot of one save on one rank: :class:`SnapshotSession`, its pieces' state machine.
+
+Owns: every change of a piece's state (admit, copy, drop, abort, the live writes from
+``claim_live`` to ``stop_live``), waiting for a piece (``wait``, ``fence_on_device``) and
+retiring the session; they share one lock. Not here: the pieces and their layout
+(``pieces.py``), admitting and copying them (``scheduler.py``), writing them (``save/flush.py``).
 
 A *piece* is one unit of pool admission: a chunk of a big tensor, or several tiny tensors
 coalesced. Each piece moves through these states (the names are used in code and logs)::
@@ -24,116 +29,43 @@ The flush of a session whose pool holds all of it writes such pieces from the ba
 state while the copies go from the front (``flush.py``), so what the flush reads before the
 copies get there is never copied into the pool.
 
-Pieces are admitted strictly in sequence order by one scheduler thread per writer, across saves,
-and the flush stage consumes each file's pieces in that same order; with no piece larger than the
-pool this guarantees progress (the oldest unreleased piece is always either being copied into free
-space or next in line for its file's flusher).
-
 A piece is released when every item slice that refers to it was flushed or dropped (``refs``).
 
 A session is *retired* once its save is over (flushed, failed or dropped) and no copy is in
 flight: it then lets go of its providers, and so of the caller's tensors.
 
-Copies go through the session's device layer (``device.py``). On the CPU a copy worker copies and
-checks the source's version counter, then marks the piece COPIED. On a device with asynchronous
-copies (CUDA, the test fake) the worker only *enqueues* the copy (gated on the events ``stage()``
-recorded on the producing streams) and checks versions at enqueue time; one completion thread
-per scheduler waits on each piece's own completion event, in enqueue order, checks versions again
-and only then marks it COPIED: no flush reads a pool block, and no abort frees one, before its
-copy is done. The optimizer-step guard may *fence* instead of waiting (:meth:`fence_on_device`).
+A piece is COPIED only once its copy is done, on any device (``scheduler.py`` says how); the
+optimizer-step guard may *fence* on the device instead of waiting (:meth:`fence_on_device`).
 """
 
 from __future__ import annotations
 
-import atexit
-import logging
-import os
-import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 from .._concurrency.latch import Latch
-from .._concurrency.workers import JobThreads
 from ..errors import SnapshotAbortedError
 from ..providers import StateProvider
 from ..providers.tensor import host_copy
-from .device import CPU, Completion, CopyDevice, devices_of, for_providers
-from .pool import HostPool
-
-logger = logging.getLogger(__name__)
-
-PENDING, ADMITTED, COPIED, RELEASED, SKIPPED, FAILED, LIVE, WRITTEN = (
-    "PENDING",
-    "ADMITTED",
-    "COPIED",
-    "RELEASED",
-    "SKIPPED",
-    "FAILED",
-    "LIVE",
-    "WRITTEN",
+from .device import CPU, CopyDevice, devices_of, for_providers
+from .pieces import (
+    ADMITTED,
+    COPIED,
+    FAILED,
+    LIVE,
+    PENDING,
+    RELEASED,
+    SKIPPED,
+    WRITTEN,
+    LiveWrite,
+    Piece,
+    Slice,
+    lay_out,
 )
-
-
-@dataclass(eq=False)
-class Piece:
-    seq: int
-    nbytes: int
-    #: (provider, source start, source stop, offset inside the piece)
-    parts: list[tuple[StateProvider, int, int, int]] = field(default_factory=list)
-    state: str = PENDING
-    offset: int = -1  # pool offset once ADMITTED
-    refs: int = 0
-    copying: bool = False  # a copy worker took it: the flush may no longer write it live
-    done: Latch = field(default_factory=Latch)
-    #: set once the piece has its pool block (or is done): a live write may claim it then
-    admitted: Latch = field(default_factory=Latch)
-    #: set once the copy is enqueued on the device (or the piece is done): a fence may follow
-    enqueued: Latch = field(default_factory=Latch)
-    completion: Completion | None = None
-
-    def finish(self) -> None:
-        self.admitted.set()
-        self.enqueued.set()
-        self.done.set()
-
-    def check_unchanged(self, rank: int) -> None:
-        for provider, _, _, _ in self.parts:
-            provider.check_unchanged(rank)
-
-
-class LiveWrite:
-    """A LIVE piece's write from the live tensor (``flush._write_live``): ``n`` live bytes at
-    address ``src``, of which the flush has read ``read`` (into its file's buffer, a step at a
-    time, under ``lock``); the rest, if the write is taken over, goes to the pool at ``dst``
-    (set by ``claim_live``). It ends once, under ``lock``, in
-    :meth:`SnapshotSession.end_live_write`."""
-
-    def __init__(
-        self, piece: Piece, provider: Any, view: memoryview, src: int, span: tuple[int, int, int]
-    ) -> None:
-        self.piece, self.provider, self.view, self.src = piece, provider, view, src
-        # The part's bytes in the tensor ([start, stop)) and where they start inside the piece.
-        self.start, self.stop, self.at = span
-        self.n = view.nbytes
-        self.dst = 0
-        self.lock = threading.Lock()
-        self.read = 0
-        self.ended = False
-        self.error: BaseException | None = None
-
-
-@dataclass(frozen=True)
-class Slice:
-    """Part of one item's data: ``length`` bytes at ``start`` inside ``piece``."""
-
-    piece: Piece
-    start: int
-    length: int
+from .pool import HostPool
 
 
 class SnapshotSession:
@@ -241,52 +173,15 @@ class SnapshotSession:
         self.abort(error)
         self.planned.set()
 
-    def _new_piece(self) -> Piece:
-        piece = Piece(seq=len(self.pieces), nbytes=0)
-        self.pieces.append(piece)
-        return piece
-
     def _build(self, items: Sequence[tuple[Any, StateProvider]], chunk: int, small: int) -> None:
-        batch: Piece | None = None
-        for key, provider in items:
-            self.providers[key] = provider
-            nbytes = provider.nbytes
-            if nbytes == 0:
-                self.slices[key] = []
-                continue
-            if nbytes < small:
-                if batch is None or batch.nbytes + nbytes > chunk:
-                    batch = self._new_piece()
-                self._add(key, batch, provider, 0, nbytes)
-                continue
-            batch = None
-            for start, stop in provider.split(chunk):
-                self._add(key, self._new_piece(), provider, start, stop)
+        layout = lay_out(items, chunk, small)
+        self.providers.update(layout.providers)
+        self.slices.update(layout.slices)
+        self.pieces.extend(layout.pieces)
+        self.live_parts += layout.live_parts
         self._unfinished = len(self.pieces)
         if not self.pieces:
             self._mark_staged()
-
-    def _add(self, key: Any, piece: Piece, provider: StateProvider, start: int, stop: int) -> None:
-        at = piece.nbytes
-        at += (-at) % 64  # keep every part aligned for dtype views of the pool
-        # Only a piece's first part: the lookup is skipped for the rest (thousands of small
-        # tensors coalesced).
-        if (
-            at == 0
-            and (skew := getattr(provider, "live_skew", None)) is not None
-            and (s := skew(start)) is not None
-        ):
-            # A part the flush may write from the live tensor lies in the pool at the same
-            # address modulo a block: its record's padding then suits both (flush.py).
-            at = s
-            self.live_parts += 1
-        piece.parts.append((provider, start, stop, at))
-        note_part = getattr(provider, "note_part", None)
-        if note_part is not None:
-            note_part()
-        piece.nbytes = at + (stop - start)
-        piece.refs += 1
-        self.slices.setdefault(key, []).append(Slice(piece, at, stop - start))
 
     @property
     def nbytes(self) -> int:
@@ -323,6 +218,11 @@ class SnapshotSession:
                 piece.copying = True
                 return True
             return False
+
+    def wait_admitted(self, piece: Piece) -> None:
+        """Wait until ``piece`` has its pool block or is done: a live write may claim it then."""
+        if piece.state == PENDING:
+            piece.admitted.wait()
 
     def claim_live(self, piece: Piece, write: LiveWrite) -> bool:
         """Whether the flush writes ``piece`` from the live tensor (``write``): it is admitted
@@ -573,6 +473,12 @@ class SnapshotSession:
         self.fenced = True
         return True
 
+    def live_rest(self, write: LiveWrite) -> memoryview:
+        """The bytes a taken-over ``write`` left unread, in its piece's pool block (COPIED)."""
+        return self.pool.memoryview(
+            write.piece.offset + write.at + write.read, write.n - write.read
+        )
+
     def ready(self, slice_: Slice) -> bool:
         """Whether ``wait(slice_)`` returns (or raises) without waiting."""
         return slice_.piece.done.is_set()
@@ -588,188 +494,3 @@ class SnapshotSession:
                 f"rank {self.rank}: snapshot piece {piece.seq} is {piece.state}, not COPIED"
             )
         return self.pool.memoryview(piece.offset + slice_.start, slice_.length)
-
-
-#: Schedulers not yet freed, and their threads, for :func:`_stop_at_exit`. The threads apart:
-#: a scheduler dies on its own thread (its last reference is that thread's target), and the
-#: thread runs on while it frees what the scheduler held.
-_LIVE_SCHEDULERS: weakref.WeakSet[SnapshotScheduler] = weakref.WeakSet()
-_SCHEDULER_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-#: How long the interpreter's exit waits for schedulers to wind down, in all.
-EXIT_WAIT_S = 10.0
-
-
-def _after_fork_in_child() -> None:  # their threads are the parent's: nothing to stop at exit
-    _LIVE_SCHEDULERS.clear()
-    _SCHEDULER_THREADS.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-@atexit.register
-def _stop_at_exit() -> None:
-    """Stop every scheduler thread and wait for it, before the interpreter finalizes.
-
-    The scheduler thread is a daemon (an idle one must not hold the process up), and a
-    dropped writer's scheduler frees the pool on it (``stop(on_exit=pool.discard)``). Freeing
-    the pool's ``mmap`` releases the GIL around ``munmap``; a daemon thread taking the GIL back
-    once finalization has begun is ended by ``pthread_exit``, whose unwinding through torch's
-    buffer deleter called ``std::terminate``: a script that dropped a writer and exited at once
-    aborted ("terminate called without an active exception", exit status 134) in about half of
-    its runs here. ``atexit`` handlers run before finalization."""
-    deadline = time.monotonic() + EXIT_WAIT_S
-    for scheduler in list(_LIVE_SCHEDULERS):
-        scheduler._queue.put(None)  # a second stop is harmless: the thread ends at the first
-    for thread in list(_SCHEDULER_THREADS):
-        thread.join(max(0.0, deadline - time.monotonic()))
-
-
-class SnapshotScheduler:
-    """Admits pieces of queued sessions into the pool, in order, and runs their copies."""
-
-    def __init__(self, pool: HostPool, *, copy_workers: int, on_stall: Callable[[], None]) -> None:
-        self.pool = pool
-        self._on_stall = on_stall
-        self._on_exit: Callable[[], None] | None = None
-        self._queue: queue.SimpleQueue[SnapshotSession | None] = queue.SimpleQueue()
-        self._copies = JobThreads(copy_workers, "datastates-copy")
-        self._thread = threading.Thread(target=self._run, name="datastates-snapshot", daemon=True)
-        self._thread.start()
-        _LIVE_SCHEDULERS.add(self)
-        _SCHEDULER_THREADS.add(self._thread)
-        # Started on the first asynchronous copy: the CPU path has no completion thread.
-        self._completions: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
-        self._completer: threading.Thread | None = None
-        self._completer_lock = threading.Lock()
-
-    def submit(self, session: SnapshotSession) -> None:
-        self._queue.put(session)
-
-    def start_copy_workers(self) -> None:
-        """Start the copy workers now rather than with the first copy (``warm_up``)."""
-        self._copies.start()
-
-    def close(self) -> None:
-        """Stop after the queued sessions; wait for the threads (unless called on one of them)."""
-        self._queue.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-
-    def stop(self, on_exit: Callable[[], None]) -> None:
-        """Stop after the queued sessions without waiting (safe from a finalizer on any thread);
-        ``on_exit`` runs on the scheduler thread once every copy has finished."""
-        self._on_exit = on_exit
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        try:
-            while (session := self._queue.get()) is not None:
-                try:
-                    self._admit_all(session)
-                except BaseException as exc:  # never let an error die in this thread
-                    logger.exception("rank %d: snapshot scheduling failed", session.rank)
-                    session.abort(exc)
-                # Not held while waiting for the next: the session (a failed one's error with
-                # it, whose traceback holds the frames of the save that failed, its writer's
-                # among them) would live on until the next save.
-                session = None
-        finally:
-            self._copies.shutdown()
-            with self._completer_lock:
-                completer, self._completer = self._completer, None
-            if completer is not None:  # every enqueued copy completes (and frees its block) first
-                self._completions.put(None)
-                completer.join()
-            if self._on_exit is not None:
-                self._on_exit()
-
-    def _admit_all(self, session: SnapshotSession) -> None:
-        for piece in session.pieces:
-            if session.aborted:
-                return
-            if piece.state != PENDING:
-                continue
-            offset = self.pool.reserve(
-                piece.nbytes,
-                cancelled=lambda piece=piece: session.aborted or piece.state != PENDING,
-                on_stall=self._on_stall,
-                on_full=session.flush_may_start.set,
-            )
-            if offset is None or not session.admit(piece, offset):
-                continue
-            if session.device.synchronous:
-                self._copies.submit(_copy_piece, session, piece)
-            else:
-                self._copies.submit(self._enqueue_piece, session, piece)
-
-    def _enqueue_piece(self, session: SnapshotSession, piece: Piece) -> None:
-        error: BaseException | None = None
-        completion: Completion | None = None
-        try:
-            dst = session.pool.view(piece.offset, piece.nbytes)
-            completion = session.device.copy(piece.parts, dst, session.gate)
-            piece.completion = completion
-            # Checked at enqueue time: a change since stage() was queued before the copy.
-            piece.check_unchanged(session.rank)
-        except BaseException as exc:
-            error = exc
-        piece.enqueued.set()
-        if completion is None:
-            session.copied(piece, error)
-            return
-        with self._completer_lock:
-            if self._completer is None:
-                self._completer = threading.Thread(
-                    target=self._complete, name="datastates-copy-done", daemon=True
-                )
-                self._completer.start()
-        self._completions.put((session, piece, completion, error))
-
-    def _complete(self) -> None:
-        while (job := self._completions.get()) is not None:
-            session, piece, completion, error = job
-            try:
-                completion.wait()
-            except BaseException as exc:
-                error = error or exc
-            if error is None:
-                try:
-                    _copy_frozen_parts(session, piece)
-                    piece.check_unchanged(session.rank)
-                except BaseException as exc:
-                    # After a fence the step may bump versions: its kernels run after the copy,
-                    # and the fence checked versions before the step could enqueue them.
-                    if not session.fenced:
-                        error = exc
-            try:
-                session.copied(piece, error)
-            except BaseException:  # never let an error die in this thread
-                logger.exception("rank %d: completing snapshot piece %d", session.rank, piece.seq)
-            job = session = piece = error = None  # not held while waiting (_run says why)
-
-
-def _copy_frozen_parts(session: SnapshotSession, piece: Piece) -> None:
-    """Parts whose provider took a private copy (``freeze``: eager small tensors, buffers the
-    forward gate saved) are copied again from it: the device copy may have read the live tensor
-    before the freeze, and the live tensor may have changed since."""
-    for provider, start, stop, at in piece.parts:
-        if getattr(provider, "_frozen", None) is not None:
-            provider.copy_into(session.pool.view(piece.offset + at, stop - start), start, stop)
-
-
-def _copy_piece(session: SnapshotSession, piece: Piece) -> None:
-    if not session.start_copy(piece):  # the flush wrote it from the live tensor
-        return
-    error: BaseException | None = None
-    try:
-        for provider, start, stop, at in piece.parts:
-            if session.aborted:  # dropped meanwhile: do not read (nor wait for) its sources
-                error = session.error
-                break
-            provider.copy_into(session.pool.view(piece.offset + at, stop - start), start, stop)
-            # Checked after the copy: a bump before or during it means the bytes may be torn.
-            provider.check_unchanged(session.rank)
-    except BaseException as exc:
-        error = exc
-    session.copied(piece, error)
