@@ -16,7 +16,6 @@ checked.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
 import os
@@ -47,6 +46,7 @@ from .format import (
 )
 from .load.reader import DataStatesReader
 from .load.safety import check_relative_path, file_size, load_metadata
+from .load.step_dirs import checkpoints_inside
 from .storage.base import FsspecStorage, LocalStorage, storage_for
 
 EXIT_OK, EXIT_DAMAGED, EXIT_NOT_COMMITTED, EXIT_NOTHING_TO_VERIFY, EXIT_UNREADABLE = 0, 1, 2, 3, 4
@@ -93,7 +93,7 @@ def _not_committed(
         )
     elif not names:
         print(f"{path}: NO CHECKPOINT (the directory is empty or does not exist)")
-    elif not files and (inside := _checkpoints_inside(storage, names)):
+    elif not files and (inside := checkpoints_inside(storage, names, verb="run this on")):
         print(f"{path}: NO CHECKPOINT here, but it holds checkpoint directories: {inside}")
     else:
         print(f"{path}: NOT COMMITTED (no {metadata_name(rank)}; {len(files)} data file(s))")
@@ -102,30 +102,6 @@ def _not_committed(
         else:
             print("The save that wrote it did not finish; do not load it.")
     return EXIT_NOT_COMMITTED
-
-
-#: Step directories of a ``Checkpointer`` root (``step_00000012``) or of a tier (``step-12``).
-_STEP_DIR = re.compile(r"^step[_-](\d+)$")
-
-
-def _checkpoints_inside(storage: LocalStorage | FsspecStorage, names: list[str]) -> str:
-    """What to run instead, for a directory of step directories (a ``Checkpointer`` root, whose
-    ``latest`` names the newest committed step, or a tier of a ``TieredCheckpointer``); "" for
-    any other directory (a user sweep: ``verify`` on a healthy Checkpointer root said its save
-    had not finished)."""
-    steps = sorted((int(m.group(1)), n) for n in names if (m := _STEP_DIR.match(n)))
-    if not steps:
-        return ""
-    newest = steps[-1][1]
-    if "latest" in names:  # checkpointer.LATEST_NAME, written with the step's number
-        with contextlib.suppress(OSError, ValueError), storage.open_read("latest") as f:
-            step = int(f.read().decode().strip())
-            newest = next((n for s, n in steps if s == step), newest)
-            return (
-                f"{len(steps)} step directories of a Checkpointer, and latest names step "
-                f"{step}: run this on {storage.describe(newest)}"
-            )
-    return f"{len(steps)} step directories, the newest {storage.describe(newest)}"
 
 
 def _read_manifest(

@@ -56,6 +56,7 @@ from ..storage.base import LocalStorage, storage_for
 from .fetch import Fetch, FetchOptions, Record
 from .object_records import MISS, fast_load
 from .safety import check_extents, check_object_record, check_relative_path, load_metadata
+from .step_dirs import checkpoints_inside
 
 logger = logging.getLogger(__name__)
 
@@ -296,6 +297,10 @@ class DataStatesReader(StorageReader):
                 f"only after reading {METADATA_NAME} failed, and that error says why"
             )
         found = [n for n in names if n.endswith(DATA_SUFFIX)]
+        if not found and (inside := checkpoints_inside(self.storage, names, verb="load")):
+            return CheckpointNotCommittedError(
+                f"{self.path} is not a checkpoint, but it holds checkpoint directories: {inside}"
+            )
         per_rank = sorted(n for n in names if RANK_METADATA.match(n))
         hint = (
             f"; it has per-rank commit records ({', '.join(per_rank[:4])}) of a save with "
