@@ -4,7 +4,8 @@
     dcp-datastates verify PATH             check every record's crc32c against the manifest
 
 A checkpoint saved with ``use_collectives=False`` has one commit record per rank
-(``__{rank}.metadata``): both commands go through each (``--rank R`` picks one).
+(``__{rank}.metadata``): both commands go through each (``--rank R`` picks one). Both name
+an item by its manifest key, the fqn and the chunk's offsets (``w@0,0``), as load errors do.
 
 Exit codes: 0 fine; 1 damaged (checksum mismatch, truncated or missing file) or refused by the
 safe-load checks; 2 not committed (no ``.metadata``) or no checkpoint at the path; 3 (``verify``
@@ -190,9 +191,10 @@ def _print_report(report: dict[str, Any], out: TextIO) -> None:
     print(f"  items ({len(report['items'])}):", file=out)
     for item in report["items"]:
         what = f"{item['dtype']}{item['shape']}" if item["dtype"] is not None else "-"
-        where = f"@{item['chunk_offset']}" if item.get("chunk_offset") else ""
+        # Named by its manifest key (w@0,0), as verify and the load errors name it.
+        name = manifest_key(item["fqn"], item.get("chunk_offset"))
         print(
-            f"    {_shown(item['fqn'])}{where}  {item['kind']}  {what}  {item['bytes']} B  "
+            f"    {_shown(name)}  {item['kind']}  {what}  {item['bytes']} B  "
             f"{item['file']}+{item['file_offset']}",
             file=out,
         )

@@ -233,6 +233,21 @@ def test_cli_verify_exit_codes_say_ok_damaged_or_not_committed(
     assert inspect_uncommitted.returncode == 2
 
 
+def test_cli_names_an_item_alike_in_inspect_and_verify(ckpt: Path) -> None:
+    """``inspect`` printed ``w@[0, 0]`` where ``verify`` printed ``w@0,0``: both print the
+    manifest's key, the name load errors use too, so one grep finds the item everywhere."""
+    record = json.loads((ckpt / MANIFEST_NAME).read_bytes())["items"]["w@0,0"]
+    data = ckpt / record["relative_path"]
+    blob = bytearray(data.read_bytes())
+    blob[record["data_offset"]] ^= 0x01
+    data.write_bytes(bytes(blob))
+    inspect, verify = _cli(("inspect", ckpt), ("verify", ckpt, "--quiet"))
+    listed = {line.split()[0] for line in inspect.stdout.splitlines() if "tensor" in line}
+    assert listed == {"w@0,0", "half@0", "nested.ids@0"}, inspect.stdout
+    (failed,) = (line for line in verify.stdout.splitlines() if "crc32c expected" in line)
+    assert failed.split()[1] == "w@0,0", verify.stdout
+
+
 def test_cli_verify_checks_the_commit_record_against_the_manifest(ckpt: Path) -> None:
     blob = bytearray((ckpt / METADATA_NAME).read_bytes())
     blob[len(blob) // 2] ^= 0x01
