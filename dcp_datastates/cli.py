@@ -11,12 +11,13 @@ Exit codes: 0 fine; 1 damaged (checksum mismatch, truncated or missing file) or 
 safe-load checks; 2 not committed (no ``.metadata``) or no checkpoint at the path; 3 (``verify``
 only) nothing to verify: a stock DCP checkpoint has no manifest, so no checksums; 4 the storage
 could not be read (an object store unreachable, no such bucket, access denied): nothing was
-checked.
+checked; 141 whoever read the output stopped reading (``| head``): the command stops quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -51,6 +52,10 @@ from .load.step_dirs import checkpoints_inside
 from .storage.base import FsspecStorage, LocalStorage, storage_for
 
 EXIT_OK, EXIT_DAMAGED, EXIT_NOT_COMMITTED, EXIT_NOTHING_TO_VERIFY, EXIT_UNREADABLE = 0, 1, 2, 3, 4
+#: The reader of our output went away (``| head``). Not 0: what was left unprinted may be left
+#: unchecked too (the other ranks' commit records). 128 + SIGPIPE, what the shell reports for
+#: ``cat`` or ``git log`` cut short the same way, so ``set -o pipefail`` treats us alike.
+EXIT_OUTPUT_CLOSED = 141
 _CHUNK = 4 << 20
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)" + re.escape(DATA_SUFFIX) + "$")
 #: When several commit records are checked, the exit code of the worst one.
@@ -341,7 +346,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Inspect and verify DCP checkpoints written by dcp_datastates.",
         epilog=(
             "Exit codes: 0 ok, 1 damaged or refused, 2 not committed or no checkpoint at the "
-            "path, 3 nothing to verify, 4 the storage could not be read."
+            "path, 3 nothing to verify, 4 the storage could not be read, 141 the output's "
+            "reader stopped reading."
         ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -370,7 +376,70 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _OutputClosed(Exception):
+    """Writing to stdout or stderr found the pipe closed: not an ``OSError``, which is how the
+    storage fails (a user sweep: ``inspect | head`` said it could not read the checkpoint)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self.stream = stream
+
+
+class _Output:
+    """``stream``, whose closed pipe raises :class:`_OutputClosed`."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise _OutputClosed(self._stream) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise _OutputClosed(self._stream) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _to_devnull(stream: TextIO) -> None:
+    """Point ``stream``'s file at /dev/null, so that what is still buffered, flushed at exit,
+    raises nothing (Python's "Note on SIGPIPE"). Not SIG_DFL for SIGPIPE: that would also kill
+    the process on a closed socket to an object store."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # no file (captured)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; returns the exit code (the module docstring lists them)."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Output(out), _Output(err)  # type: ignore[assignment]
+    try:
+        try:
+            return _main(argv)
+        finally:  # also for argparse's SystemExit (--help): a closed pipe shows here, not at exit
+            sys.stdout.flush()
+            sys.stderr.flush()
+    except _OutputClosed as closed:
+        _to_devnull(closed.stream)
+        for stream in (out, err):  # 2>&1 | head: the other one writes to the closed pipe too
+            try:
+                stream.flush()
+            except BrokenPipeError:
+                _to_devnull(stream)
+        return EXIT_OUTPUT_CLOSED
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     handler = _inspect if args.command == "inspect" else _verify
     try:
