@@ -4,13 +4,14 @@
     dcp-datastates verify PATH             check every record's crc32c against the manifest
 
 A checkpoint saved with ``use_collectives=False`` has one commit record per rank
-(``__{rank}.metadata``): both commands go through each (``--rank R`` picks one).
+(``__{rank}.metadata``): both commands go through each (``--rank R`` picks one). Both name
+an item by its manifest key, the fqn and the chunk's offsets (``w@0,0``), as load errors do.
 
 Exit codes: 0 fine; 1 damaged (checksum mismatch, truncated or missing file) or refused by the
 safe-load checks; 2 not committed (no ``.metadata``) or no checkpoint at the path; 3 (``verify``
 only) nothing to verify: a stock DCP checkpoint has no manifest, so no checksums; 4 the storage
 could not be read (an object store unreachable, no such bucket, access denied): nothing was
-checked.
+checked; 141 whoever read the output stopped reading (``| head``): the command stops quietly.
 """
 
 from __future__ import annotations
@@ -47,9 +48,14 @@ from .format import (
 )
 from .load.reader import DataStatesReader
 from .load.safety import check_relative_path, file_size, load_metadata
+from .load.step_dirs import checkpoints_inside
 from .storage.base import FsspecStorage, LocalStorage, storage_for
 
 EXIT_OK, EXIT_DAMAGED, EXIT_NOT_COMMITTED, EXIT_NOTHING_TO_VERIFY, EXIT_UNREADABLE = 0, 1, 2, 3, 4
+#: The reader of our output went away (``| head``). Not 0: what was left unprinted may be left
+#: unchecked too (the other ranks' commit records). 128 + SIGPIPE, what the shell reports for
+#: ``cat`` or ``git log`` cut short the same way, so ``set -o pipefail`` treats us alike.
+EXIT_OUTPUT_CLOSED = 141
 _CHUNK = 4 << 20
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)" + re.escape(DATA_SUFFIX) + "$")
 #: When several commit records are checked, the exit code of the worst one.
@@ -93,7 +99,7 @@ def _not_committed(
         )
     elif not names:
         print(f"{path}: NO CHECKPOINT (the directory is empty or does not exist)")
-    elif not files and (inside := _checkpoints_inside(storage, names)):
+    elif not files and (inside := checkpoints_inside(storage, names, verb="run this on")):
         print(f"{path}: NO CHECKPOINT here, but it holds checkpoint directories: {inside}")
     else:
         print(f"{path}: NOT COMMITTED (no {metadata_name(rank)}; {len(files)} data file(s))")
@@ -102,30 +108,6 @@ def _not_committed(
         else:
             print("The save that wrote it did not finish; do not load it.")
     return EXIT_NOT_COMMITTED
-
-
-#: Step directories of a ``Checkpointer`` root (``step_00000012``) or of a tier (``step-12``).
-_STEP_DIR = re.compile(r"^step[_-](\d+)$")
-
-
-def _checkpoints_inside(storage: LocalStorage | FsspecStorage, names: list[str]) -> str:
-    """What to run instead, for a directory of step directories (a ``Checkpointer`` root, whose
-    ``latest`` names the newest committed step, or a tier of a ``TieredCheckpointer``); "" for
-    any other directory (a user sweep: ``verify`` on a healthy Checkpointer root said its save
-    had not finished)."""
-    steps = sorted((int(m.group(1)), n) for n in names if (m := _STEP_DIR.match(n)))
-    if not steps:
-        return ""
-    newest = steps[-1][1]
-    if "latest" in names:  # checkpointer.LATEST_NAME, written with the step's number
-        with contextlib.suppress(OSError, ValueError), storage.open_read("latest") as f:
-            step = int(f.read().decode().strip())
-            newest = next((n for s, n in steps if s == step), newest)
-            return (
-                f"{len(steps)} step directories of a Checkpointer, and latest names step "
-                f"{step}: run this on {storage.describe(newest)}"
-            )
-    return f"{len(steps)} step directories, the newest {storage.describe(newest)}"
 
 
 def _read_manifest(
@@ -214,9 +196,10 @@ def _print_report(report: dict[str, Any], out: TextIO) -> None:
     print(f"  items ({len(report['items'])}):", file=out)
     for item in report["items"]:
         what = f"{item['dtype']}{item['shape']}" if item["dtype"] is not None else "-"
-        where = f"@{item['chunk_offset']}" if item.get("chunk_offset") else ""
+        # Named by its manifest key (w@0,0), as verify and the load errors name it.
+        name = manifest_key(item["fqn"], item.get("chunk_offset"))
         print(
-            f"    {_shown(item['fqn'])}{where}  {item['kind']}  {what}  {item['bytes']} B  "
+            f"    {_shown(name)}  {item['kind']}  {what}  {item['bytes']} B  "
             f"{item['file']}+{item['file_offset']}",
             file=out,
         )
@@ -363,7 +346,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Inspect and verify DCP checkpoints written by dcp_datastates.",
         epilog=(
             "Exit codes: 0 ok, 1 damaged or refused, 2 not committed or no checkpoint at the "
-            "path, 3 nothing to verify, 4 the storage could not be read."
+            "path, 3 nothing to verify, 4 the storage could not be read, 141 the output's "
+            "reader stopped reading."
         ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -392,7 +376,70 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _OutputClosed(Exception):
+    """Writing to stdout or stderr found the pipe closed: not an ``OSError``, which is how the
+    storage fails (a user sweep: ``inspect | head`` said it could not read the checkpoint)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self.stream = stream
+
+
+class _Output:
+    """``stream``, whose closed pipe raises :class:`_OutputClosed`."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise _OutputClosed(self._stream) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise _OutputClosed(self._stream) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _to_devnull(stream: TextIO) -> None:
+    """Point ``stream``'s file at /dev/null, so that what is still buffered, flushed at exit,
+    raises nothing (Python's "Note on SIGPIPE"). Not SIG_DFL for SIGPIPE: that would also kill
+    the process on a closed socket to an object store."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # no file (captured)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; returns the exit code (the module docstring lists them)."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Output(out), _Output(err)  # type: ignore[assignment]
+    try:
+        try:
+            return _main(argv)
+        finally:  # also for argparse's SystemExit (--help): a closed pipe shows here, not at exit
+            sys.stdout.flush()
+            sys.stderr.flush()
+    except _OutputClosed as closed:
+        _to_devnull(closed.stream)
+        for stream in (out, err):  # 2>&1 | head: the other one writes to the closed pipe too
+            try:
+                stream.flush()
+            except BrokenPipeError:
+                _to_devnull(stream)
+        return EXIT_OUTPUT_CLOSED
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     handler = _inspect if args.command == "inspect" else _verify
     try:

@@ -7,6 +7,7 @@ cause with a ``TypeError`` (and can leave the other ranks waiting in a collectiv
 
 from __future__ import annotations
 
+import difflib
 import pickle
 from typing import Any
 
@@ -128,3 +129,13 @@ class UnsafeCheckpointError(DataStatesError):
     metadata types, a file path that leaves the checkpoint directory, or an object record that
     ``torch.load(weights_only=True)`` rejects. Load it with ``DataStatesReader(path,
     trusted=True)`` only if you trust whoever wrote it."""
+
+
+def unknown_options(owner: str, unknown: list[str], known: list[str]) -> TypeError:
+    """The error for options ``owner`` does not take, with the nearest known names (the writer,
+    the reader and ``Checkpointer`` all answer a typo this way)."""
+    near = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
+    guesses = [f"{u} (did you mean {m[0]}?)" if m else u for u, m in near.items()]
+    return TypeError(
+        f"{owner} got unknown option(s) {', '.join(guesses)}; the options are {', '.join(known)}"
+    )

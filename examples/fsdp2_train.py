@@ -3,6 +3,10 @@
     torchrun --nproc-per-node 2 examples/fsdp2_train.py --ckpt-dir /tmp/fsdp2 --steps 20
     torchrun --nproc-per-node 2 examples/fsdp2_train.py --ckpt-dir /tmp/fsdp2 --steps 30 --resume
 
+Rank 0 prints the loss every ``--log-every`` steps, each checkpoint it starts, and where a run
+resumed from (``resumed from step 20``); ``--report FILE`` also writes the losses and state
+digests as JSON.
+
 The model is sharded with ``fully_shard``; its state and the optimizer's go through
 ``get_state_dict`` / ``set_state_dict`` inside a ``Stateful`` app state; every ``--save-every``
 steps ``dcp_datastates.async_save`` snapshots it lazily (training goes on; only the next
@@ -132,8 +136,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="load the newest checkpoint first")
     p.add_argument("--resume-from", help="load this checkpoint directory first")
     p.add_argument("--backend", default="gloo")
+    p.add_argument("--log-every", type=int, default=5, help="print the loss every N steps")
     p.add_argument("--report", help="write losses and state digests here (JSON, rank 0)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, value in (("--save-every", args.save_every), ("--log-every", args.log_every)):
+        if value < 1:
+            p.error(f"{flag} must be at least 1, got {value}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -147,10 +156,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     app = AppState(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     report: dict[str, Any] = {"world": world, "losses": {}, "saved": {}}
 
+    def say(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+
     source = args.resume_from or (newest_checkpoint(args.ckpt_dir) if args.resume else None)
     if source:
         dcp.load({"app": app}, storage_reader=DataStatesReader(source), process_group=ckpt_group)
         report["resumed"] = {"from": source, "step": app.step, "digest": full_state_digest(app)}
+        say(f"resumed from step {app.step} ({source}) on {world} rank(s)")
+    elif args.resume:
+        say(f"no committed checkpoint in {args.ckpt_dir}: starting from step 0")
 
     writer = DataStatesWriter(args.ckpt_dir)  # one writer for the whole run: it owns the pool
     upload = None
@@ -164,20 +180,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         report["losses"][app.step] = (global_loss / world).item()
+        if app.step % args.log_every == 0 or app.step == args.steps:
+            say(f"step {app.step}  loss {report['losses'][app.step]:.6f}")
         if app.step % args.save_every == 0:
             if upload is not None:
                 upload.result()  # one save in flight at a time
             report["saved"][app.step] = full_state_digest(app)
+            path = step_dir(args.ckpt_dir, app.step)
             upload = dcp_datastates.async_save(
-                {"app": app},
-                writer,
-                checkpoint_id=step_dir(args.ckpt_dir, app.step),
-                process_group=ckpt_group,
+                {"app": app}, writer, checkpoint_id=path, process_group=ckpt_group
             ).upload_completion
+            say(f"step {app.step}  saving checkpoint {path} in the background")
     if upload is not None:
         upload.result()
     writer.close()
     report["final"] = full_state_digest(app)
+    newest = max(report["saved"], default=None)  # committed: its upload has completed
+    say(
+        f"done at step {app.step}"
+        + (f"; checkpoint {step_dir(args.ckpt_dir, newest)} committed" if newest else "")
+    )
     if args.report and rank == 0:
         with open(args.report, "w") as f:
             json.dump(report, f)

@@ -140,9 +140,24 @@ def test_reader_takes_every_stock_argument_in_place() -> None:
     stock = list(inspect.signature(dcp.FileSystemReader).parameters)
     ours = list(inspect.signature(DataStatesReader).parameters)
     assert ours[: len(stock)] == stock
-    for name in ours[len(stock) :]:
+    # Ours are keyword-only; the last catches the rest, for a did-you-mean instead of a bare
+    # TypeError.
+    *own, rest = ours[len(stock) :]
+    for name in own:
         kind = inspect.signature(DataStatesReader).parameters[name].kind
         assert kind is inspect.Parameter.KEYWORD_ONLY, name
+    assert (
+        inspect.signature(DataStatesReader).parameters[rest].kind is inspect.Parameter.VAR_KEYWORD
+    )
+
+
+def test_reader_answers_a_misspelt_option_with_the_name_it_missed(tmp_path: Path) -> None:
+    """The writer's typos got a did-you-mean, the reader's a bare ``TypeError`` (a user sweep)."""
+    with pytest.raises(TypeError, match=r"verfy \(did you mean verify\?\)") as raised:
+        DataStatesReader(tmp_path, verfy=False)
+    assert "DataStatesReader" in str(raised.value) and "io_workers" in str(raised.value)
+    with pytest.raises(TypeError, match=r"io_worker \(did you mean io_workers\?\), zzz;"):
+        DataStatesReader(tmp_path, zzz=1, io_worker=2)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -199,6 +200,60 @@ def test_cli_inspect_lists_items_files_and_version(ckpt: Path) -> None:
     assert set(report["files"]["0"]) == {item["file"] for item in report["items"]}
 
 
+def _into_closed_pipes(*runs: tuple[tuple[Any, ...], int]) -> list[tuple[int, str, bytes]]:
+    """Run ``python -m dcp_datastates ARGS`` with stdout into a pipe whose reader reads ``n``
+    bytes and goes away (``| head -c n``; 0: ``| true``), all at once. The pipe is shrunk to
+    its smallest, so that a listing longer than it plus ``n`` must meet the closed end; no
+    timing decides it. Returns (exit code, stderr, bytes read) per run."""
+    started = []
+    for args, n in runs:
+        read_end, write_end = os.pipe()
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+        if not n:  # gone before the first write
+            os.close(read_end)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dcp_datastates", *map(str, args)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+        )
+        os.close(write_end)
+        started.append((proc, read_end, n))
+    done = []
+    for proc, read_end, n in started:
+        head = b""
+        if n:
+            head = os.read(read_end, n)
+            os.close(read_end)
+        _, err = proc.communicate(timeout=60)
+        done.append((proc.returncode, err.decode(), head))
+    return done
+
+
+def test_cli_stops_quietly_when_its_reader_goes_away(ckpt: Path, make_writer: Any) -> None:
+    """``inspect CKPT | head`` said "cannot read CKPT: [Errno 32] Broken pipe; nothing was
+    checked", exit 4 (a user sweep): a closed pipe is not an unreadable checkpoint. Every
+    command stops quietly with 141 (128 + SIGPIPE, as ``cat`` or ``git log`` cut short)."""
+    probe_r, probe_w = os.pipe()
+    capacity = fcntl.fcntl(probe_w, fcntl.F_SETPIPE_SZ, 4096)  # what the runs' pipes get
+    os.close(probe_r), os.close(probe_w)
+    many = ckpt.parent / "many"
+    # Each item's line is over 40 bytes: the listing is twice what the pipe holds.
+    state = {f"layer_{i:05d}.weight": torch.ones(1) for i in range(capacity // 20)}
+    dcp.save(state, storage_writer=make_writer(many), no_dist=True)
+    runs = _into_closed_pipes(
+        (("inspect", many), 64),
+        (("inspect", ckpt), 0),
+        (("inspect", ckpt, "--json"), 0),
+        (("verify", ckpt, "--quiet"), 0),
+        (("--help",), 0),
+    )
+    names = ("| head", "inspect", "--json", "verify", "--help")
+    for (code, err, _), what in zip(runs, names, strict=True):
+        assert code == 141 and err == "", f"{what}: exit {code}, stderr {err!r}"
+    head = runs[0][2]  # the listing's start, as head shows it
+    assert head and head == f"{many}: committed".encode()[: len(head)], head
+
+
 def test_cli_verify_exit_codes_say_ok_damaged_or_not_committed(
     tmp_path: Path, make_writer: Any
 ) -> None:
@@ -231,6 +286,21 @@ def test_cli_verify_exit_codes_say_ok_damaged_or_not_committed(
     assert truncated.returncode == 1 and "truncated" in truncated.stdout
     assert uncommitted.returncode == 2 and "NOT COMMITTED" in uncommitted.stdout
     assert inspect_uncommitted.returncode == 2
+
+
+def test_cli_names_an_item_alike_in_inspect_and_verify(ckpt: Path) -> None:
+    """``inspect`` printed ``w@[0, 0]`` where ``verify`` printed ``w@0,0``: both print the
+    manifest's key, the name load errors use too, so one grep finds the item everywhere."""
+    record = json.loads((ckpt / MANIFEST_NAME).read_bytes())["items"]["w@0,0"]
+    data = ckpt / record["relative_path"]
+    blob = bytearray(data.read_bytes())
+    blob[record["data_offset"]] ^= 0x01
+    data.write_bytes(bytes(blob))
+    inspect, verify = _cli(("inspect", ckpt), ("verify", ckpt, "--quiet"))
+    listed = {line.split()[0] for line in inspect.stdout.splitlines() if "tensor" in line}
+    assert listed == {"w@0,0", "half@0", "nested.ids@0"}, inspect.stdout
+    (failed,) = (line for line in verify.stdout.splitlines() if "crc32c expected" in line)
+    assert failed.split()[1] == "w@0,0", verify.stdout
 
 
 def test_cli_verify_checks_the_commit_record_against_the_manifest(ckpt: Path) -> None:

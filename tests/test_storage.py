@@ -180,6 +180,31 @@ def test_a_path_with_no_checkpoint_is_named_as_such_not_as_an_unfinished_save(
         assert "did not finish" not in str(raised.value)
 
 
+def test_the_reader_on_a_checkpointer_root_names_the_step_to_load(tmp_path: Path) -> None:
+    """A Checkpointer's root has no ``.metadata`` of its own: the reader said the save that
+    wrote it did not finish, where the CLI named the step (a user sweep); both name it now."""
+    from dcp_datastates import Checkpointer
+    from dcp_datastates.checkpointers.checkpointer import step_dir_name
+
+    with Checkpointer(tmp_path, every_steps=1, preemption_signals=()) as ck:
+        for step in (1, 2):
+            ck.maybe_save(step, {"w": torch.full((4,), float(step))})
+    step_2 = tmp_path / step_dir_name(2)
+    expected = f"latest names step 2: load {step_2}"
+    with pytest.raises(CheckpointNotCommittedError, match="holds checkpoint directories") as raised:
+        DataStatesReader(tmp_path).read_metadata()
+    assert expected in str(raised.value) and "did not finish" not in str(raised.value)
+    with pytest.raises(BaseException) as raised:  # dcp.load asks for __0.metadata too
+        load_like(tmp_path, {"w": torch.zeros(4)}, "datastates")
+    assert expected in str(raised.value) and "did not finish" not in str(raised.value)
+    # Without latest (a tier's layout, or latest lost), the newest committed step is named.
+    (tmp_path / "latest").unlink()
+    (tmp_path / step_dir_name(3)).mkdir()  # a save in flight: not committed, not named
+    with pytest.raises(CheckpointNotCommittedError) as raised:
+        DataStatesReader(tmp_path).read_metadata()
+    assert f"3 step directories, the newest committed {step_2}: load that" in str(raised.value)
+
+
 def test_dcp_load_of_a_damaged_metadata_says_why_and_not_that_the_save_did_not_finish(
     tmp_path: Path, make_writer
 ) -> None:

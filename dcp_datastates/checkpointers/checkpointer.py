@@ -45,12 +45,12 @@ import torch.distributed.checkpoint as dcp
 
 from .._concurrency import signals as _signals
 from .._concurrency.signals import wait_in_slices
-from ..errors import CheckpointNotCommittedError, CheckpointSaveError
+from ..errors import CheckpointNotCommittedError, CheckpointSaveError, unknown_options
 from ..format import METADATA_NAME
 from ..load.reader import DataStatesReader
 from ..options import WriterOptions
 from ..save.api import async_save
-from ..save.compat import STOCK_WRITER_ARGS, unknown_options
+from ..save.compat import STOCK_WRITER_ARGS
 from ..save.writer import DataStatesWriter
 from ..storage.base import LocalStorage
 

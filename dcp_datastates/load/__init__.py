@@ -3,6 +3,7 @@
 ``reader`` (the DCP calls) -> ``fetch`` (raw data regions straight into the targets, in
 parallel on ``read_pool``, through ``bounce`` buffers where the target cannot take them) ->
 ``checksum`` (crc32c as bytes arrive). ``locate`` finds data inside stock records,
-``object_records`` loads small pickled records fast, ``safety`` refuses what it must not unpickle.
+``object_records`` loads small pickled records fast, ``safety`` refuses what it must not unpickle,
+``step_dirs`` names the step to open in a directory of checkpoints (the CLI's answer too).
 May import: ``storage`` and the leaves. Never ``save``.
 """

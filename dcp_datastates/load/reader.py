@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import inspect
 import io
 import logging
 import os
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .._concurrency.futures import completed
 from .._dcp_private import ExtensionRegistry, StreamTransformExtension, set_element
-from ..errors import CheckpointNotCommittedError, ChecksumMismatchError
+from ..errors import CheckpointNotCommittedError, ChecksumMismatchError, unknown_options
 from ..format import (
     DATA_SUFFIX,
     METADATA_NAME,
@@ -55,6 +56,7 @@ from ..storage.base import LocalStorage, storage_for
 from .fetch import Fetch, FetchOptions, Record
 from .object_records import MISS, fast_load
 from .safety import check_extents, check_object_record, check_relative_path, load_metadata
+from .step_dirs import checkpoints_inside
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +90,12 @@ class DataStatesReader(StorageReader):
         io_workers: int = 4,
         trusted: bool = False,
         storage_options: dict[str, Any] | None = None,
+        **unknown: Any,
     ) -> None:
         super().__init__()
+        if unknown:  # a typo gets the name it missed, as the writer's do (not a bare TypeError)
+            known = [n for n in inspect.signature(DataStatesReader).parameters if n != "unknown"]
+            raise unknown_options("DataStatesReader", sorted(unknown), known[1:])
         if not isinstance(io_workers, int) or isinstance(io_workers, bool) or io_workers < 1:
             raise ValueError(f"io_workers must be an int of at least 1, got {io_workers!r}")
         for name, value in (("verify", verify), ("trusted", trusted)):
@@ -291,6 +297,10 @@ class DataStatesReader(StorageReader):
                 f"only after reading {METADATA_NAME} failed, and that error says why"
             )
         found = [n for n in names if n.endswith(DATA_SUFFIX)]
+        if not found and (inside := checkpoints_inside(self.storage, names, verb="load")):
+            return CheckpointNotCommittedError(
+                f"{self.path} is not a checkpoint, but it holds checkpoint directories: {inside}"
+            )
         per_rank = sorted(n for n in names if RANK_METADATA.match(n))
         hint = (
             f"; it has per-rank commit records ({', '.join(per_rank[:4])}) of a save with "

@@ -11,10 +11,10 @@ transforms, safetensors records), naming the argument.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import unknown_options
 from ..options import WriterOptions
 
 #: Methods that decide what a save holds: a planner overriding any of them is the user's own.
@@ -164,12 +164,3 @@ __all__ = [
     "stock_stage",
     "writer_options",
 ]
-
-
-def unknown_options(owner: str, unknown: list[str], known: list[str]) -> TypeError:
-    """The error for options ``owner`` does not take, with the nearest known names."""
-    near = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
-    guesses = [f"{u} (did you mean {m[0]}?)" if m else u for u, m in near.items()]
-    return TypeError(
-        f"{owner} got unknown option(s) {', '.join(guesses)}; the options are {', '.join(known)}"
-    )
