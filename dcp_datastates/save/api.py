@@ -20,15 +20,10 @@ from .._dcp_private import AsyncSaveCall, require_cpu_backend
 from ..errors import CheckpointSaveError
 from ..stats import SaveStats
 from . import path_turns
+from .calls import _ANNOUNCED, _current_rank, announce, fails_on_every_rank, lost_process_group
 from .planner import StagedSavePlanner
-from .writer import (
-    _ANNOUNCED,
-    DataStatesWriter,
-    _current_rank,
-    fails_on_every_rank,
-    lost_process_group,
-    record_failure,
-)
+from .records import record_failure
+from .writer import DataStatesWriter
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +83,7 @@ def async_save(
         # until the process group's timeout (a user sweep): this rank's save fails instead,
         # which DCP reports to every rank, as for a state stage() cannot save.
         call, state_dict = call._replace(state_error=exc), {}
-    token = writer._announce(call)
+    token = announce(writer, call)
     try:
         if not owned and call.mode == _THREAD:
             upload = _save_on_writer_threads(state_dict, writer, kwargs, start)
