@@ -54,7 +54,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -82,6 +82,7 @@ from .calls import (
 from .compat import lazy_staging_planner, stock_stage, writer_options
 from .planner import (
     GlobalPlanMemo,
+    StagedSavePlanner,
     is_planned_elsewhere,
 )
 from .process_staging import daemon_runtime, raise_relayed, stage_for_process
@@ -309,6 +310,15 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         starts (planning, copies, one save thread) are started."""
         self._staging.warm_up(state_dict, self.path, wait=wait)
 
+    # -- for dcp_datastates.async_save (api.py) --------------------------------------------
+    def _check_open(self) -> None:
+        """Raise ``WriterClosedError`` if the writer is closed (or inherited through a fork)."""
+        self._runtime.check_open()
+
+    def _forget_staged_stats(self) -> None:
+        """No stage() on this thread has a record yet (async_save is about to stage)."""
+        self._local.staged_stats = None
+
     def _staged_stats(self) -> SaveStats | None:
         """The record of the last stage() on this thread (what async_save reports into)."""
         return getattr(self._local, "staged_stats", None)
@@ -316,6 +326,23 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def _abandon_staged(self, error: BaseException) -> None:
         """The dcp.async_save that staged failed before its save could start."""
         self._runtime.drop_unclaimed(error)
+
+    def _run_save(self, save: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``save(*args)`` on one of the writer's own save threads (``runtime.run_save``)."""
+        return self._runtime.run_save(save, *args)
+
+    def _staged_planner(self) -> StagedSavePlanner:
+        """A planner that reuses the local plan of the snapshot a save thread claims, and the
+        last single-rank global plan."""
+        return StagedSavePlanner(self._staged_local_plan, self._global_plans)
+
+    def _forget_save(self) -> None:
+        """This thread's save is over: its per-thread record is dropped (the thread is reused)."""
+        self._local.__dict__.pop("save", None)
+
+    def _save_ended(self) -> None:
+        """A save ended: a snapshot its thread claimed and never wrote is dropped."""
+        self._runtime.save_ended()
 
     def synchronize_staging(self) -> None:
         """Wait until the last staged snapshot is complete (the state may then change)."""
