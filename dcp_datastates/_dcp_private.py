@@ -168,7 +168,7 @@ def async_save_call(depth: int = 1) -> AsyncSaveCall:
 
 
 #: ``dist.is_available()`` (whether torch was built with it) cannot change in a process: read
-#: once, not on the caller's path at every save (here and in ``writer._current_rank``).
+#: once, not on the caller's path at every save (here and in ``save.calls._current_rank``).
 DIST_AVAILABLE = dist.is_available()
 
 

@@ -58,7 +58,7 @@ def counts(arg: str) -> None:
                 if k == "floor (no-op stage)":
                     kwargs["storage_writer"] = NoStageWriter(kwargs["checkpoint_id"])
                 elif k == "ours walk":
-                    walk._captures.forget()
+                    walk._staging.captures.forget()
                     kwargs["storage_writer"] = walk
                 elif k == "ours replay":
                     kwargs["storage_writer"] = ours
@@ -69,7 +69,7 @@ def counts(arg: str) -> None:
                 f.result()
                 del f  # freeing a save's future (its metadata) would land in the next one's time
                 shutil.rmtree(kwargs["checkpoint_id"], ignore_errors=True)
-        assert ours._captures.replays == rounds - 1, "ours did not replay"
+        assert ours._staging.captures.replays == rounds - 1, "ours did not replay"
         walk.close()
         ours.close()
         line = f"tensors {len(state.tensors_of(sd))}:"

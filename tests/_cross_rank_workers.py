@@ -526,7 +526,7 @@ def _replayed(rank: int, world_size: int, port: int, workdir: Path) -> dict[str,
             w = weight.view(32, 128) if i == 2 else weight  # same bytes, another shape
             state = {"w": w, "norm": torch.ones(8) * i, f"rank{rank}": mine, "step": i}
             expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
-            before = writer._captures._record
+            before = writer._staging.captures._record
             plan_before = None if before is None else before.local_plan
             path = str(workdir / f"save{i}")
             if i % 2:
@@ -537,7 +537,7 @@ def _replayed(rank: int, world_size: int, port: int, workdir: Path) -> dict[str,
                 async_save(state, writer, checkpoint_id=path).upload_completion.result(
                     timeout=FUTURE_TIMEOUT_S
                 )
-            plan_after = writer._captures._record.local_plan
+            plan_after = writer._staging.captures._record.local_plan
             report["reused"].append(plan_before is not None and plan_after is plan_before)
             with torch.no_grad():  # what the next step does to the state
                 weight.add_(1)
@@ -551,7 +551,7 @@ def _replayed(rank: int, world_size: int, port: int, workdir: Path) -> dict[str,
             if target["step"] != i:
                 report["differs"].append(f"save{i}:step")
             dist.barrier()
-        report["replays"] = writer._captures.replays
+        report["replays"] = writer._staging.captures.replays
     finally:
         writer.close()
         dist.destroy_process_group()

@@ -189,7 +189,7 @@ def _save(mode: str, state: dict[str, Any], path: Path) -> dict[str, Any]:
         staging.result(timeout=FUTURE_TIMEOUT_S)
         _mutate(state)
         upload.result(timeout=FUTURE_TIMEOUT_S)
-        replays = writer._captures.replays
+        replays = writer._staging.captures.replays
         writer.close()
         return {"mutated_after_staging": True, "replays": replays}
     else:

@@ -96,7 +96,7 @@ class Saver:
 
     @property
     def counts(self) -> tuple[int, int]:
-        cache = self.writer._captures
+        cache = self.writer._staging.captures
         return cache.replays, cache.walks
 
 

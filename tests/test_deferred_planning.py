@@ -4,7 +4,7 @@ The snapshot must still be the state as ``stage()`` saw it: a version bump betwe
 and planning fails the save, a dict entry replaced after ``stage()`` is not what gets saved, the
 optimizer-step guard waits for planning too, and a planning failure reaches the save's future.
 Each race is made deterministic by a writer whose planning waits on a gate (fault injection by
-subclassing the real writer).
+subclassing the real staging).
 """
 
 from __future__ import annotations
@@ -24,24 +24,34 @@ from dcp_datastates import (
     async_save,
 )
 from dcp_datastates.format import METADATA_NAME
+from dcp_datastates.save.staging import ThreadStaging
 from dcp_datastates.snapshot.capture import capture
 
 
-class GatedPlanningWriter(DataStatesWriter):
+class GatedPlanning(ThreadStaging):
     """Planning (on the planning thread) starts only once ``gate`` is set; may then fail."""
 
-    def __init__(self, path: Any, *, fail: BaseException | None = None, **options: Any) -> None:
-        super().__init__(path, **options)
+    def __init__(self, *args: Any, fail: BaseException | None) -> None:
+        super().__init__(*args)
         self.gate = threading.Event()
         self.planned_on: list[str] = []
         self.fail = fail
 
-    def _plan_captured(self, captured: Any, call: Any) -> Any:
+    def plan_captured(self, captured: Any, call: Any) -> Any:
         self.planned_on.append(threading.current_thread().name)
         assert self.gate.wait(EVENT_TIMEOUT_S)
         if self.fail is not None:
             raise self.fail
-        return super()._plan_captured(captured, call)
+        return super().plan_captured(captured, call)
+
+
+class GatedPlanningWriter(DataStatesWriter):
+    """A writer whose staging is :class:`GatedPlanning`."""
+
+    def __init__(self, path: Any, *, fail: BaseException | None = None, **options: Any) -> None:
+        super().__init__(path, **options)
+        self._staging = GatedPlanning(self._runtime, self.options, fail=fail)
+        self.gate, self.planned_on = self._staging.gate, self._staging.planned_on
 
 
 @pytest.fixture
@@ -235,16 +245,16 @@ def test_warm_up_learns_the_layout_so_the_first_save_replays_it_and_plans_nothin
     try:
         writer.warm_up(state, wait=True)
         assert local_planning == ["MainThread"]  # the warm-up's, on the calling thread
-        assert (writer._captures.walks, writer._captures.replays) == (1, 0)
+        assert (writer._staging.captures.walks, writer._staging.captures.replays) == (1, 0)
         local_planning.clear()
         with torch.no_grad():
             model[0].weight.add_(1.0)  # values change after warm_up; the layout does not
         state["model"] = model.state_dict()
         async_save(state, writer, no_dist=True).upload_completion.result(EVENT_TIMEOUT_S)
         assert local_planning == []
-        assert (writer._captures.walks, writer._captures.replays) == (1, 1)
+        assert (writer._staging.captures.walks, writer._staging.captures.replays) == (1, 1)
         writer.warm_up(state)  # after a save: the layout is the save's, not learnt again
-        assert (writer._captures.walks, writer._captures.replays) == (1, 1)
+        assert (writer._staging.captures.walks, writer._staging.captures.replays) == (1, 1)
     finally:
         writer.close()
 
@@ -265,7 +275,7 @@ def test_a_state_whose_layout_changed_after_warm_up_is_walked_and_saved_whole(
         writer.warm_up(state)
         state["b"] = torch.randn(3)  # a new entry: the recorded layout no longer holds
         async_save(state, writer, no_dist=True).upload_completion.result(EVENT_TIMEOUT_S)
-        assert (writer._captures.walks, writer._captures.replays) == (2, 0)
+        assert (writer._staging.captures.walks, writer._staging.captures.replays) == (2, 0)
     finally:
         writer.close()
     loaded = load_like(tmp_path / "ours", state, "datastates")
@@ -303,7 +313,7 @@ def test_the_save_thread_reuses_the_plan_of_the_snapshot(
                 assert local_planning[0].startswith("datastates-plan")
             else:
                 assert local_planning == []  # the walk's items still hold
-        assert writer._captures.replays == 1
+        assert writer._staging.captures.replays == 1
     finally:
         writer.close()
 
@@ -400,15 +410,15 @@ def test_a_replay_keeps_the_items_of_the_save_before_only_where_they_still_hold(
         async_save(
             state, writer, checkpoint_id=tmp_path / "first", no_dist=True
         ).upload_completion.result(EVENT_TIMEOUT_S)
-        first_plan = writer._captures._record.local_plan
+        first_plan = writer._staging.captures._record.local_plan
         assert first_plan is not None
         state = {**state, "w": _changed_same_bytes(w, change), "step": 2}
         local_planning.clear()
         async_save(
             state, writer, checkpoint_id=tmp_path / "second", no_dist=True
         ).upload_completion.result(EVENT_TIMEOUT_S)
-        assert writer._captures.replays == 1
-        reused = writer._captures._record.local_plan is first_plan
+        assert writer._staging.captures.replays == 1
+        reused = writer._staging.captures._record.local_plan is first_plan
         assert reused == (change == "nothing")
         assert len(local_planning) == (0 if change == "nothing" else 1)
     finally:
@@ -459,7 +469,7 @@ def test_a_replayed_save_takes_the_global_plan_of_the_save_before_and_its_own_me
             response = async_save(state, writer, checkpoint_id=tmp_path / f"c{i}", no_dist=True)
             results.append(response.upload_completion.result(EVENT_TIMEOUT_S))
         first_storage = dict(results[0].storage_data)
-        assert writer._captures.replays == 2
+        assert writer._staging.captures.replays == 2
         assert len(global_planning) == 1, "a replayed save planned its global plan again"
         assert len({id(r) for r in results}) == 3
         assert all(r.storage_data is not results[0].storage_data for r in results[1:])
@@ -531,7 +541,7 @@ def test_eager_copies_are_private_to_the_snapshot_and_only_live_tensors_are_prob
     try:
         kinds = []
         for _ in range(2):  # the walk, then the replay of its layout
-            captured = writer._captures.capture(state)
+            captured = writer._staging.captures.capture(state)
             assert captured is not None
             kinds.append(captured.replayed)
             captured.resolve()

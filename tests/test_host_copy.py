@@ -144,7 +144,7 @@ _LOOP_CHILD = textwrap.dedent(
             step()
             response.upload_completion.result()
         after = native_threads_python_does_not_know()
-        replays = writer._captures.replays
+        replays = writer._staging.captures.replays
         writer.close()
         loaded = {"extra": {
             "strided": torch.zeros(1024, 512),

@@ -273,5 +273,5 @@ def test_large_conjugate_and_negative_views_save_unchanged_through_both_async_ap
         dcp.load(loaded, checkpoint_id=path)
         assert torch.equal(loaded["z"], z.conj().resolve_conj()), f"save {i}"
         assert torch.equal(loaded["x"], -x), f"save {i}"
-    assert writer._captures.replays == 1
+    assert writer._staging.captures.replays == 1
     writer.close()

@@ -639,7 +639,7 @@ def test_the_automatic_pool_is_this_ranks_share_of_the_node(
 def test_the_automatic_pool_counts_what_this_rank_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     from dcp_datastates._dcp_private import AsyncSaveCall
     from dcp_datastates.save.planner import plan_providers
-    from dcp_datastates.save.writer import _expected_write_bytes
+    from dcp_datastates.save.staging import _expected_write_bytes
 
     items = plan_providers({"replicated": torch.zeros(MiB), "obj": {"a": 1}})
     call = AsyncSaveCall(found=True)

@@ -20,15 +20,9 @@ from .._dcp_private import AsyncSaveCall, require_cpu_backend
 from ..errors import CheckpointSaveError
 from ..stats import SaveStats
 from . import path_turns
-from .planner import StagedSavePlanner
-from .writer import (
-    _ANNOUNCED,
-    DataStatesWriter,
-    _current_rank,
-    fails_on_every_rank,
-    lost_process_group,
-    record_failure,
-)
+from .calls import _ANNOUNCED, _current_rank, announce, fails_on_every_rank, lost_process_group
+from .records import record_failure
+from .writer import DataStatesWriter
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +57,7 @@ def async_save(
             raise TypeError(f"async_save got {name}=; pass a DataStatesWriter as path_or_writer")
     owned = not isinstance(path_or_writer, DataStatesWriter)
     writer = DataStatesWriter(path_or_writer) if owned else path_or_writer
-    writer._runtime.check_open()
+    writer._check_open()
     mode = kwargs.get("async_checkpointer_type")
     call = AsyncSaveCall(
         found=True,
@@ -76,7 +70,7 @@ def async_save(
         process_group=kwargs.get("process_group"),
     )
     start = time.monotonic()
-    writer._local.staged_stats = None
+    writer._forget_staged_stats()
     try:
         state_dict = _stateful_to_state_dict(state_dict)
     except Exception as exc:
@@ -88,7 +82,7 @@ def async_save(
         # until the process group's timeout (a user sweep): this rank's save fails instead,
         # which DCP reports to every rank, as for a state stage() cannot save.
         call, state_dict = call._replace(state_error=exc), {}
-    token = writer._announce(call)
+    token = announce(writer, call)
     try:
         if not owned and call.mode == _THREAD:
             upload = _save_on_writer_threads(state_dict, writer, kwargs, start)
@@ -123,7 +117,7 @@ def async_save(
         if owned:  # a writer made for one save: release its pool and threads before reporting
             # This callback may run on DCP's save thread: close() would wait for the snapshot
             # that thread claimed and never wrote (the save failed first) until it exited.
-            writer._runtime.save_ended()
+            writer._save_ended()
             _close_owned(writer)
         if error is None:
             out.set_result(f.result())
@@ -166,7 +160,7 @@ def _save_on_writer_threads(
     staged = writer.stage(state_dict)  # Stateful values converted by async_save
     stats = writer._staged_stats()
     try:
-        upload = writer._runtime.run_save(_save_staged, staged, writer, save_kwargs, stats)
+        upload = writer._run_save(_save_staged, staged, writer, save_kwargs, stats)
     except BaseException as exc:
         writer._abandon_staged(exc)
         raise
@@ -188,14 +182,11 @@ def _save_staged(
     save's per-thread record is dropped, and so is a snapshot it claimed but never wrote
     (``save_ended``)."""
     if save_kwargs.get("planner") is None:  # reuse the plan of the snapshot being saved
-        save_kwargs = {
-            **save_kwargs,
-            "planner": StagedSavePlanner(writer._staged_local_plan, writer._global_plans),
-        }
+        save_kwargs = {**save_kwargs, "planner": writer._staged_planner()}
     try:
         lost = lost_process_group(stats)
         if lost is not None:  # before DCP, which would fail naming no cause, or save as 1 rank
-            writer._runtime.drop_unclaimed(lost)
+            writer._abandon_staged(lost)
             raise lost
         return dcp.save(staged, storage_writer=writer, **save_kwargs)
     except BaseException as exc:
@@ -208,8 +199,8 @@ def _save_staged(
             raise
         raise error from exc
     finally:
-        writer._local.__dict__.pop("save", None)
-        writer._runtime.save_ended()  # a snapshot it claimed and never wrote is dropped
+        writer._forget_save()
+        writer._save_ended()  # a snapshot it claimed and never wrote is dropped
         path_turns.end_owned()  # saves after it to the same directory may write (path_turns.py)
 
 

@@ -159,7 +159,7 @@ def stage_for_process(
 ) -> ProcessStaging:
     """Start copying ``state_dict`` for the daemon. ``state_error``: the state could not be
     made (a ``Stateful`` raised; ``async_save``). A failure, that one, now or in the copy, for
-    which ``relay`` says yes (``writer.fails_on_every_rank``: a save of several ranks) becomes
+    which ``relay`` says yes (``calls.fails_on_every_rank``: a save of several ranks) becomes
     the staged state (:func:`failed_state`), so that the daemon's save fails on every rank
     rather than this rank's alone."""
     try:
