@@ -37,7 +37,7 @@ from dcp_datastates import (
 )
 from dcp_datastates.errors import SnapshotAbortedError
 from dcp_datastates.format import METADATA_NAME
-from dcp_datastates.save import runtime
+from dcp_datastates.save import resources
 from dcp_datastates.snapshot import guard
 from dcp_datastates.snapshot.pool import block_slack, live_pools
 
@@ -618,8 +618,8 @@ def test_a_closed_writer_refuses_new_work_with_a_clear_error(tmp_path: Path, how
 def test_the_automatic_pool_is_this_ranks_share_of_the_node(
     tmp_path: Path, make_writer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(runtime, "physical_memory", lambda: 256 * MiB)  # 64 MiB at 0.25
-    monkeypatch.setattr(runtime, "MIN_AUTO_POOL", MiB)
+    monkeypatch.setattr(resources, "physical_memory", lambda: 256 * MiB)  # 64 MiB at 0.25
+    monkeypatch.setattr(resources, "MIN_AUTO_POOL", MiB)
     sd = {"w": torch.randn(6 * MiB)}  # 24 MiB
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     alone = make_writer(tmp_path / "a")

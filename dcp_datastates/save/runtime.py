@@ -26,7 +26,6 @@ be claimed) and refuses new work from its first line on.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import logging
 import os
@@ -42,15 +41,16 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from .._concurrency.latch import Latch
 from .._concurrency.workers import JobThreads
-from ..errors import InvalidStateDictError, SnapshotAbortedError, WriterClosedError
-from ..options import MiB, WriterOptions
+from ..errors import SnapshotAbortedError, WriterClosedError
+from ..options import WriterOptions
 from ..providers import StateProvider
 from ..snapshot import forward_gate as _forward_gate
 from ..snapshot import guard as _guard
-from ..snapshot.engine import SnapshotScheduler, SnapshotSession
-from ..snapshot.pool import HostPool, block_slack
+from ..snapshot.engine import SnapshotSession
+from ..snapshot.pool import HostPool
 from ..storage.base import Storage
 from .flush import flush
+from .resources import Resources, auto_pool_bytes, check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +66,6 @@ RETURN_WAIT_S = 0.05
 #: Most saves of one writer that run at once on its save threads (``run_save``); a save
 #: beyond them would wait for one to end, and its snapshot's claim with it.
 MAX_SAVE_THREADS = 32
-#: Smallest automatically sized pool.
-MIN_AUTO_POOL = 16 * MiB
 
 
 def _quietly(work: Callable[[], None]) -> None:
@@ -76,64 +74,6 @@ def _quietly(work: Callable[[], None]) -> None:
         work()
     except Exception:  # noqa: BLE001 - only a cache is lost: the next stage() walks
         logger.debug("planning-thread bookkeeping failed", exc_info=True)
-
-
-def physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 16 << 30
-
-
-def local_world_size() -> int:
-    """Ranks on this node, from the launcher's environment (torchrun, Open MPI); 1 if unknown."""
-    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
-
-
-def auto_pool_bytes(options: WriterOptions, expected_bytes: int) -> int:
-    """The automatic pool size: what this rank will write and its blocks' rounding
-    (``block_slack``), capped at this rank's share of the node (``max_pool_fraction`` of
-    physical memory divided by ``LOCAL_WORLD_SIZE``)."""
-    cap = int(physical_memory() * options.max_pool_fraction) // local_world_size()
-    need = int(expected_bytes) + block_slack(int(expected_bytes), options.coalesce_bytes)
-    return max(MIN_AUTO_POOL, min(need, cap))
-
-
-class _Resources:
-    """What a runtime allocates once, on the first save, and reuses: pool and threads."""
-
-    def __init__(self, options: WriterOptions, pool_bytes: int, on_stall: Any) -> None:
-        self.pool = HostPool(pool_bytes, populate=True)
-        self.chunk_bytes = options.effective_chunk_bytes(self.pool.capacity)
-        self.coalesce_bytes = min(options.coalesce_bytes, self.chunk_bytes)
-        self.scheduler = SnapshotScheduler(
-            self.pool,
-            copy_workers=options.effective_copy_workers(local_world_size()),
-            on_stall=on_stall,
-        )
-        self.live_flush = options.effective_live_flush(local_world_size())
-        self.flushes: set[Future[Any]] = set()  # running flushes, which close() waits for
-
-    def track(self, flush: Future[Any]) -> None:
-        self.flushes.add(flush)
-        flush.add_done_callback(self.flushes.discard)
-
-    def wait_for_flushes(self) -> None:
-        concurrent.futures.wait(list(self.flushes))
-
-    def close(self) -> None:
-        self.wait_for_flushes()
-        self.scheduler.close()  # waits for copies in flight; they release their blocks
-        self.pool.close()
-
-    def abandon(self) -> None:
-        """Stop without waiting (from a finalizer): the threads exit once their copies end and
-        then drop the pool's buffer."""
-        self.scheduler.stop(on_exit=self.pool.discard)
 
 
 @dataclass
@@ -181,7 +121,7 @@ class SnapshotRuntime:
         self._changed = threading.Condition(self._lock)
         self._unclaimed: _Staged | None = None
         self._sessions: list[SnapshotSession] = []
-        self._resources: _Resources | None = None
+        self._resources: Resources | None = None
         self._planner: JobThreads | None = None  # plans what stage() recorded
         #: A session for the next ``stage_later``, made on the planning thread after the last
         #: one was planned: made on the caller, it was 25-40 us of a 0.6 ms blocked call.
@@ -216,7 +156,7 @@ class SnapshotRuntime:
     def pool_peak(self) -> int:
         return self._resources.pool.peak_in_use if self._resources is not None else 0
 
-    def _ensure(self, expected_bytes: int, rank: int) -> _Resources:
+    def _ensure(self, expected_bytes: int, rank: int) -> Resources:
         # caller holds self._lock
         if self._resources is None:
             if self._released:
@@ -224,7 +164,7 @@ class SnapshotRuntime:
             size = self.options.host_pool_bytes
             if size is None:
                 size = auto_pool_bytes(self.options, expected_bytes)
-            self._resources = _Resources(self.options, size, self.reap_abandoned)
+            self._resources = Resources(self.options, size, self.reap_abandoned)
             logger.info("rank %d: host pool of %d bytes", rank, self._resources.pool.capacity)
         return self._resources
 
@@ -288,22 +228,11 @@ class SnapshotRuntime:
             rank=rank,
         )
         session.local_plan = getattr(items, "local_plan", None)
-        self._check_fits(session, res.pool)
+        check_fits(session, res.pool)
         session.on_retired = self._retired_callback
         with self._lock:
             self._sessions = [s for s in self._sessions if not s.retired] + [session]
         return session
-
-    @staticmethod
-    def _check_fits(session: SnapshotSession, pool: HostPool) -> None:
-        for piece in session.pieces:
-            if piece.nbytes > pool.capacity:
-                fqn = piece.parts[0][0].fqn
-                raise InvalidStateDictError(
-                    f"rank {session.rank}: a row of non-contiguous tensor {fqn!r} needs "
-                    f"{piece.nbytes} bytes, more than the {pool.capacity}-byte host pool; "
-                    "raise host_pool_bytes or save a contiguous copy"
-                )
 
     def _on_retired(self) -> Callable[[SnapshotSession], None]:
         """A session's retirement callback, holding this runtime weakly: the runtime holds its
@@ -494,7 +423,7 @@ class SnapshotRuntime:
                 )
                 if planned:
                     session.local_plan = getattr(items, "local_plan", None)
-                    self._check_fits(session, res.pool)
+                    check_fits(session, res.pool)
             except BaseException as exc:  # reaches the save through its flush, once
                 session.plan_failed(exc)
                 return
