@@ -26,7 +26,6 @@ be claimed) and refuses new work from its first line on.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -40,7 +39,6 @@ from typing import Any
 from torch.distributed.checkpoint.planner import WriteItem
 
 from .._concurrency.latch import Latch
-from .._concurrency.workers import JobThreads
 from ..errors import SnapshotAbortedError, WriterClosedError
 from ..options import WriterOptions
 from ..providers import StateProvider
@@ -49,6 +47,7 @@ from ..snapshot import guard as _guard
 from ..snapshot.engine import SnapshotSession
 from ..snapshot.pool import HostPool
 from ..storage.base import Storage
+from .deferred import DeferredPlanning, Plan
 from .flush import flush
 from .resources import Resources, auto_pool_bytes, check_fits
 
@@ -56,24 +55,9 @@ logger = logging.getLogger(__name__)
 
 #: How long a staged snapshot may wait for the save that claims it; then it is dropped.
 CLAIM_TIMEOUT_S = 30.0
-#: How long planning waits for the save thread to claim its session (it normally does within
-#: milliseconds, as ``dcp.async_save`` returns); then it plans anyway.
-CLAIM_START_WAIT_S = 0.5
-#: How long planning then waits for the caller to be on its way out of ``dcp.async_save``
-#: (:meth:`SnapshotRuntime.caller_returning`; it normally is within a millisecond or two); a
-#: DCP that never says so delays planning by this much.
-RETURN_WAIT_S = 0.05
 #: Most saves of one writer that run at once on its save threads (``run_save``); a save
 #: beyond them would wait for one to end, and its snapshot's claim with it.
 MAX_SAVE_THREADS = 32
-
-
-def _quietly(work: Callable[[], None]) -> None:
-    """Run bookkeeping that no save depends on; a failure is logged, never raised."""
-    try:
-        work()
-    except Exception:  # noqa: BLE001 - only a cache is lost: the next stage() walks
-        logger.debug("planning-thread bookkeeping failed", exc_info=True)
 
 
 @dataclass
@@ -88,11 +72,6 @@ class _Staged:
     def let_go(self) -> None:
         if self.claimed is not None:
             self.claimed.set()
-
-
-def _deferred_session(rank: int) -> SnapshotSession:
-    """A session ``stage()`` only recorded: the planning thread plans it."""
-    return SnapshotSession([], pool=None, chunk_bytes=0, coalesce_bytes=0, rank=rank, deferred=True)
 
 
 #: Every runtime of this process, to be disowned in a child made by ``os.fork()``.
@@ -122,19 +101,14 @@ class SnapshotRuntime:
         self._unclaimed: _Staged | None = None
         self._sessions: list[SnapshotSession] = []
         self._resources: Resources | None = None
-        self._planner: JobThreads | None = None  # plans what stage() recorded
-        #: A session for the next ``stage_later``, made on the planning thread after the last
-        #: one was planned: made on the caller, it was 25-40 us of a 0.6 ms blocked call.
-        self._spare: SnapshotSession | None = None
+        #: Plans what ``stage()`` only recorded, on its own thread (``deferred.py``).
+        self._deferred = DeferredPlanning(guard_forward=options.guard_forward)
         #: Every session's retirement callback (it holds this runtime weakly).
         self._retired_callback = self._on_retired()
         self._savers: ThreadPoolExecutor | None = None  # run dcp_datastates.async_save's saves
         #: The thread that staged a snapshot ``close(timeout)`` dropped before its save thread
         #: claimed it, and the error that save is to fail with.
         self._dropped_claim: tuple[threading.Thread, SnapshotAbortedError] | None = None
-        #: Per session planned later, the thread that staged it and the latch its planning
-        #: waits on until that thread is returning from ``dcp.async_save``.
-        self._returning: list[tuple[threading.Thread, Latch]] = []
         self.closed = False
         #: Pool and threads given back (``close()`` ended, or ``abandon()``): no save may make
         #: them again. Between ``closed`` and this, close() waits for the saves already staged,
@@ -168,6 +142,12 @@ class SnapshotRuntime:
             logger.info("rank %d: host pool of %d bytes", rank, self._resources.pool.capacity)
         return self._resources
 
+    def _ensure_locked(self, expected_bytes: int, rank: int) -> Resources:
+        """:meth:`_ensure` for the planning thread: close() waits for the session it plans, so
+        a writer closed since may still make its pool."""
+        with self._lock:
+            return self._ensure(expected_bytes, rank)
+
     def _inherited_by_fork(self) -> None:
         """In a child made by ``os.fork()``: the threads are gone, and a parent thread may have
         held the lock at the fork (a user sweep: the child hung at exit, in the writer's
@@ -176,8 +156,9 @@ class SnapshotRuntime:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self.closed = self.inherited = self._released = True
-        self._unclaimed = self._resources = self._planner = self._savers = self._spare = None
-        self._sessions, self._returning = [], []
+        self._unclaimed = self._resources = self._savers = None
+        self._sessions = []
+        self._deferred.inherited_by_fork()
         self._dropped_claim = None
 
     def _closed_error(self) -> WriterClosedError:
@@ -313,11 +294,11 @@ class SnapshotRuntime:
                 session, thread, token, expect_claim, time.monotonic(), claimed
             )
             if returning is not None:
-                self._returning.append((thread, returning))
+                self._deferred.expect_return(thread, returning)
 
     def stage_later(
         self,
-        plan: Callable[[], tuple[Sequence[tuple[WriteItem, StateProvider]], int]],
+        plan: Plan,
         token: Any,
         *,
         rank: int,
@@ -333,15 +314,11 @@ class SnapshotRuntime:
         thread's claim waits; a planning failure fails the session, and so the save."""
         with self._lock:
             self.check_open()
-            session, self._spare = self._spare, None
-            if session is None or session.rank != rank:
-                session = _deferred_session(rank)
+            session = self._deferred.take_session(rank)
             session.created = started
             session.on_retired = self._retired_callback
             self._sessions = [s for s in self._sessions if not s.retired] + [session]
-            if self._planner is None:
-                self._planner = JobThreads(1, "datastates-plan")
-            planner = self._planner
+            planner = self._deferred.planner()
         # Planning starts once the save thread has claimed the session and the caller is
         # returning from dcp.async_save: started at stage(), it took the GIL from the caller's
         # last milliseconds in dcp.async_save (5-15 ms of blocked time at 5,000 tensors), and
@@ -360,15 +337,16 @@ class SnapshotRuntime:
         if self.options.guard_forward:
             _forward_gate.hold(session)
         self.last_staged = session.staged
-        planner.submit(self._plan_and_start, session, plan, claimed, returning, after)
+        planner.submit(
+            self._deferred.plan_and_start,
+            *(session, plan, self._ensure_locked, claimed, returning, after),
+        )
         return session
 
-    def _make_spare(self, rank: int) -> None:
-        """On the planning thread: the session the next ``stage_later`` takes."""
-        spare = _deferred_session(rank)
-        with self._lock:
-            if not self.closed:
-                self._spare = spare
+    def caller_returning(self) -> None:
+        """The calling thread is returning from ``dcp.async_save``: see
+        :meth:`DeferredPlanning.caller_returning`."""
+        self._deferred.caller_returning()
 
     def run_save(self, save: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``save(*args)`` (a ``dcp.save``) on one of the writer's save threads, which are
@@ -382,75 +360,6 @@ class SnapshotRuntime:
                     MAX_SAVE_THREADS, thread_name_prefix="datastates-save"
                 )
             return self._savers.submit(save, *args)
-
-    def _plan_and_start(
-        self,
-        session: SnapshotSession,
-        plan: Callable[[], tuple[Sequence[tuple[WriteItem, StateProvider]], int]],
-        claimed: Latch | None = None,
-        returning: Latch | None = None,
-        after: Callable[[], None] | None = None,
-    ) -> None:
-        try:
-            self._plan_and_start_session(session, plan, claimed, returning)
-        finally:
-            if after is not None:  # one job for both: a submit costs the caller 10-20 us
-                _quietly(after)
-            _quietly(functools.partial(self._make_spare, session.rank))
-
-    def _plan_and_start_session(
-        self,
-        session: SnapshotSession,
-        plan: Callable[[], tuple[Sequence[tuple[WriteItem, StateProvider]], int]],
-        claimed: Latch | None,
-        returning: Latch | None,
-    ) -> None:
-        if claimed is not None:
-            claimed.wait(CLAIM_START_WAIT_S)
-        if returning is not None:
-            returning.wait(RETURN_WAIT_S)
-            self._let_plan(returning)  # never left behind for a later caller_returning()
-        try:
-            try:
-                items, expected_bytes = plan()
-                with self._lock:  # close() waits for this session: planning goes on
-                    res = self._ensure(expected_bytes, session.rank)
-                planned = session.plan(
-                    [(item.index, provider) for item, provider in items],
-                    pool=res.pool,
-                    chunk_bytes=res.chunk_bytes,
-                    coalesce_bytes=res.coalesce_bytes,
-                )
-                if planned:
-                    session.local_plan = getattr(items, "local_plan", None)
-                    check_fits(session, res.pool)
-            except BaseException as exc:  # reaches the save through its flush, once
-                session.plan_failed(exc)
-                return
-            if not planned:
-                return
-            if self.options.guard_forward:
-                _forward_gate.protect(session)
-            res.scheduler.submit(session)
-        finally:
-            _forward_gate.release(session)
-
-    def caller_returning(self) -> None:
-        """The calling thread is returning from the ``dcp.async_save`` that staged its sessions
-        (DCP reads ``should_synchronize_after_execute`` there, after starting the save thread):
-        their planning may take the GIL now."""
-        me = threading.current_thread()
-        with self._lock:
-            mine = [event for thread, event in self._returning if thread is me]
-            if mine:
-                self._returning = [entry for entry in self._returning if entry[0] is not me]
-        for event in mine:
-            event.set()
-
-    def _let_plan(self, returning: Latch) -> None:
-        returning.set()
-        with self._lock:
-            self._returning = [entry for entry in self._returning if entry[1] is not returning]
 
     def prepare(self, expected_bytes: int, rank: int, *, staged: bool = False) -> HostPool:
         """Size the pool now (if no save did yet) and start faulting it in (``pool.py``).
@@ -469,13 +378,12 @@ class SnapshotRuntime:
         14-22 ms after the call against 8-11 ms (``docs/benchmarks.md``, item 24)."""
         with self._lock:
             self.check_open()
-            if self._planner is None:
-                self._planner = JobThreads(1, "datastates-plan")
+            planner = self._deferred.planner()
             if self._savers is None:
                 self._savers = ThreadPoolExecutor(
                     MAX_SAVE_THREADS, thread_name_prefix="datastates-save"
                 )
-            planner, savers, res = self._planner, self._savers, self._resources
+            savers, res = self._savers, self._resources
         planner.start()
         savers.submit(int)  # the pool starts a thread for its first job, which then waits idle
         if res is not None:
@@ -669,9 +577,7 @@ class SnapshotRuntime:
                 self._unclaimed = None
             for s in busy:
                 self.abort(s, self._dropped_error())
-        self._spare = None
-        if self._planner is not None:
-            self._planner.shutdown()  # a session dropped while planned stays empty
+        self._deferred.close()  # a session dropped while planned stays empty
         if self._savers is not None:
             # Their saves retired above; close() may run on one of them (a done callback).
             self._savers.shutdown(wait=False)
@@ -696,9 +602,7 @@ class SnapshotRuntime:
             busy = self._busy()
             res, self._resources = self._resources, None
             self._released = True
-            self._spare = None
-            if self._planner is not None:
-                self._planner.shutdown(wait=False)
+            self._deferred.close(wait=False)
             if self._savers is not None:
                 self._savers.shutdown(wait=False)
         error = SnapshotAbortedError(
