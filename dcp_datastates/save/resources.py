@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
+
+from torch.distributed.checkpoint.planner import WriteItem
 
 from ..errors import InvalidStateDictError
 from ..options import MiB, WriterOptions
 from ..snapshot.engine import SnapshotScheduler, SnapshotSession
 from ..snapshot.pool import HostPool, block_slack
+from ..storage.base import Storage
+from .flush import flush
 
 #: Smallest automatically sized pool.
 MIN_AUTO_POOL = 16 * MiB
@@ -52,6 +57,7 @@ class Resources:
     """What a runtime allocates once, on the first save, and reuses: pool and threads."""
 
     def __init__(self, options: WriterOptions, pool_bytes: int, on_stall: Any) -> None:
+        self._options = options
         self.pool = HostPool(pool_bytes, populate=True)
         self.chunk_bytes = options.effective_chunk_bytes(self.pool.capacity)
         self.coalesce_bytes = min(options.coalesce_bytes, self.chunk_bytes)
@@ -62,6 +68,45 @@ class Resources:
         )
         self.live_flush = options.effective_live_flush(local_world_size())
         self.flushes: set[Future[Any]] = set()  # running flushes, which close() waits for
+
+    def flush(
+        self,
+        session: SnapshotSession,
+        *,
+        storage: Storage,
+        items: Sequence[WriteItem],
+        prefix: str,
+    ) -> Future[Any]:
+        """Start writing ``items`` of ``session`` (one the runtime let flush) on the flush
+        threads, tracked until it resolves."""
+        # Host copies whose pool holds the whole session: the flush writes what the copies
+        # have not reached straight from the live tensors (engine.py, flush.py), from now on.
+        if (
+            self.live_flush
+            and session.live_parts > 0
+            and session.device.synchronous
+            and session.pool is not None
+            and session.nbytes <= session.pool.capacity
+        ):
+            session.start_live()
+        result = flush(
+            storage=storage,
+            items=items,
+            session=session,
+            prefix=prefix,
+            workers=self._options.flush_workers,
+            sync=self._options.sync_files,
+            nice=self._options.flush_nice,
+            # Other host copies: writes started while the snapshot copies take cores and memory
+            # bandwidth from it on a small machine, and the copy is what the caller waits for.
+            # The flush threads wait until the snapshot is staged, or needs pool space that only
+            # a flush can free (a state larger than the pool still streams).
+            start_after=(
+                session.flush_may_start if session.device.synchronous and not session.live else None
+            ),
+        )
+        self.track(result)
+        return result
 
     def track(self, flush: Future[Any]) -> None:
         self.flushes.add(flush)

@@ -48,7 +48,6 @@ from ..snapshot.engine import SnapshotSession
 from ..snapshot.pool import HostPool
 from ..storage.base import Storage
 from .deferred import DeferredPlanning, Plan
-from .flush import flush
 from .resources import Resources, auto_pool_bytes, check_fits
 
 logger = logging.getLogger(__name__)
@@ -456,33 +455,7 @@ class SnapshotRuntime:
             # waited for itself, and close() for both.
             session.retire()
             return failed
-        # Host copies whose pool holds the whole session: the flush writes what the copies
-        # have not reached straight from the live tensors (engine.py, flush.py), from now on.
-        if (
-            res.live_flush
-            and session.live_parts > 0
-            and session.device.synchronous
-            and session.pool is not None
-            and session.nbytes <= session.pool.capacity
-        ):
-            session.start_live()
-        result = flush(
-            storage=storage,
-            items=items,
-            session=session,
-            prefix=prefix,
-            workers=self.options.flush_workers,
-            sync=self.options.sync_files,
-            nice=self.options.flush_nice,
-            # Other host copies: writes started while the snapshot copies take cores and memory
-            # bandwidth from it on a small machine, and the copy is what the caller waits for.
-            # The flush threads wait until the snapshot is staged, or needs pool space that only
-            # a flush can free (a state larger than the pool still streams).
-            start_after=(
-                session.flush_may_start if session.device.synchronous and not session.live else None
-            ),
-        )
-        res.track(result)
+        result = res.flush(session, storage=storage, items=items, prefix=prefix)
         result.add_done_callback(lambda _f: self._flush_over(session))
         return result
 
