@@ -9,6 +9,10 @@
 * the flushes that are running (``close()`` waits for them);
 * reaping sessions whose save died before writing them, and dropping the ones nobody will write.
 
+What the pool and threads are, and how big, is ``resources.py``; planning a session ``stage()``
+only recorded, on the planning thread, is ``deferred.py``. This module holds the one lock (and
+its Condition) over the sessions and the hand-off, and the fork hook that disowns them.
+
 Session lifecycle as the runtime sees it::
 
     new_session --stage()--> UNCLAIMED --claim()--> CLAIMED --start_flush()--> FLUSHING
