@@ -18,7 +18,7 @@ from dcp_datastates.errors import (
 )
 from dcp_datastates.options import WriterOptions
 from dcp_datastates.save import deferred as deferred_mod
-from dcp_datastates.save import runtime as runtime_mod
+from dcp_datastates.save import handoff as handoff_mod
 from dcp_datastates.save.flush import assign_files
 from dcp_datastates.save.planner import plan_providers
 from dcp_datastates.save.runtime import SnapshotRuntime
@@ -216,7 +216,7 @@ def test_a_staged_session_is_claimed_by_another_thread_only() -> None:
 
 
 def test_a_session_never_claimed_is_dropped_after_the_claim_timeout(monkeypatch) -> None:
-    monkeypatch.setattr(runtime_mod, "CLAIM_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(handoff_mod, "CLAIM_TIMEOUT_S", 0.05)
     rt, session = runtime_with({"t": torch.zeros(1000)})
     rt.stage(session, None, started=time.monotonic(), expect_claim=True)
     time.sleep(0.1)

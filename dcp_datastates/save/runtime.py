@@ -5,13 +5,15 @@
 * the host pool and the snapshot threads, sized and started by the first save, given back by
   ``close()`` or, for a writer dropped without it, when the writer is garbage collected;
 * the hand-off of a session from ``stage()`` (caller's thread) to the DCP thread that saves it
-  (``claim``);
+  (``claim``), through the slot of ``handoff.py``;
 * the flushes that are running (``close()`` waits for them);
 * reaping sessions whose save died before writing them, and dropping the ones nobody will write.
 
 What the pool and threads are, and how big, is ``resources.py``; planning a session ``stage()``
-only recorded, on the planning thread, is ``deferred.py``. This module holds the one lock (and
-its Condition) over the sessions and the hand-off, and the fork hook that disowns them.
+only recorded, on the planning thread, is ``deferred.py``; the slot a staged session waits in
+until its save thread claims it (UNCLAIMED below) is ``handoff.py``. This module holds the one
+lock (and its Condition) over the sessions and the hand-off, shared with ``handoff.py``, and the
+fork hook that disowns them.
 
 Session lifecycle as the runtime sees it::
 
@@ -37,7 +39,6 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem
@@ -52,29 +53,14 @@ from ..snapshot.engine import SnapshotSession
 from ..snapshot.pool import HostPool
 from ..storage.base import Storage
 from .deferred import DeferredPlanning, Plan
+from .handoff import HandOff, never_claimed_error
 from .resources import Resources, auto_pool_bytes, check_fits
 
 logger = logging.getLogger(__name__)
 
-#: How long a staged snapshot may wait for the save that claims it; then it is dropped.
-CLAIM_TIMEOUT_S = 30.0
 #: Most saves of one writer that run at once on its save threads (``run_save``); a save
 #: beyond them would wait for one to end, and its snapshot's claim with it.
 MAX_SAVE_THREADS = 32
-
-
-@dataclass
-class _Staged:
-    session: SnapshotSession
-    thread: threading.Thread  # the thread that called stage(): never the one that claims
-    token: Any  # the writer's per-save record (its stats)
-    expect_claim: bool  # staged by a dcp.async_save, whose save thread will claim it
-    at: float
-    claimed: Latch | None = None  # set when a save thread claims it (or it is dropped)
-
-    def let_go(self) -> None:
-        if self.claimed is not None:
-            self.claimed.set()
 
 
 #: Every runtime of this process, to be disowned in a child made by ``os.fork()``.
@@ -101,7 +87,8 @@ class SnapshotRuntime:
         _LIVE_RUNTIMES.add(self)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._unclaimed: _Staged | None = None
+        #: The session staged and not yet claimed by its save thread (``handoff.py``).
+        self._handoff = HandOff(self._lock, self._changed)
         self._sessions: list[SnapshotSession] = []
         self._resources: Resources | None = None
         #: Plans what ``stage()`` only recorded, on its own thread (``deferred.py``).
@@ -109,9 +96,6 @@ class SnapshotRuntime:
         #: Every session's retirement callback (it holds this runtime weakly).
         self._retired_callback = self._on_retired()
         self._savers: ThreadPoolExecutor | None = None  # run dcp_datastates.async_save's saves
-        #: The thread that staged a snapshot ``close(timeout)`` dropped before its save thread
-        #: claimed it, and the error that save is to fail with.
-        self._dropped_claim: tuple[threading.Thread, SnapshotAbortedError] | None = None
         self.closed = False
         #: Pool and threads given back (``close()`` ended, or ``abandon()``): no save may make
         #: them again. Between ``closed`` and this, close() waits for the saves already staged,
@@ -159,10 +143,10 @@ class SnapshotRuntime:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self.closed = self.inherited = self._released = True
-        self._unclaimed = self._resources = self._savers = None
+        self._handoff = HandOff(self._lock, self._changed)
+        self._resources = self._savers = None
         self._sessions = []
         self._deferred.inherited_by_fork()
-        self._dropped_claim = None
 
     def _closed_error(self) -> WriterClosedError:
         if self.inherited:
@@ -182,11 +166,7 @@ class SnapshotRuntime:
         """For a save that claimed no snapshot: on a writer that ``close(timeout)`` shut while
         the save thread of a staged snapshot was starting, that save fails as the snapshot did
         (:class:`SnapshotAbortedError`, once); any other save on a closed writer is refused."""
-        with self._lock:
-            dropped, self._dropped_claim = self._dropped_claim, None
-            if dropped is not None and dropped[0] is not threading.current_thread():
-                raise dropped[1]
-            self._dropped_claim = dropped
+        self._handoff.check_dropped_claim()
         self.check_open()
 
     # -- sessions ----------------------------------------------------------------------------
@@ -251,7 +231,7 @@ class SnapshotRuntime:
     ) -> None:
         """Start ``session``'s copies and leave it for the save thread to claim (with ``token``,
         the writer's per-save record). Waits for an earlier staged session to be claimed first;
-        one never claimed within :data:`CLAIM_TIMEOUT_S` is dropped."""
+        one never claimed within ``handoff.CLAIM_TIMEOUT_S`` is dropped."""
         session.created = started
         try:
             self._hand_off(session, token, expect_claim)
@@ -278,26 +258,15 @@ class SnapshotRuntime:
     ) -> None:
         """Leave ``session`` for a save thread to claim; ``returning`` is registered for
         :meth:`caller_returning` once it is handed off (a failed ``stage()`` leaves none)."""
-        thread = threading.current_thread()
         with self._lock:  # self._changed's lock (its Python-level __enter__ is two more frames)
             self.check_open()
-            if self._unclaimed is not None:
-                if not self._changed.wait_for(
-                    lambda: self._unclaimed is None, timeout=CLAIM_TIMEOUT_S
-                ):
-                    stale = self._unclaimed.session
-                    self._unclaimed.let_go()
-                    self._unclaimed = None
-                    logger.warning(
-                        "rank %d: a staged snapshot was never saved; dropping it", session.rank
-                    )
-                    self.abort(stale, self._never_claimed_error(stale.rank))
-                self.check_open()  # close() may have run while this waited
-            self._unclaimed = _Staged(
-                session, thread, token, expect_claim, time.monotonic(), claimed
-            )
+            stale = self._handoff.wait_for_slot(session.rank)
+            if stale is not None:
+                self.abort(stale, never_claimed_error(stale.rank))
+            self.check_open()  # close() may have run while this waited
+            self._handoff.leave(session, token, expect_claim, claimed)
             if returning is not None:
-                self._deferred.expect_return(thread, returning)
+                self._deferred.expect_return(threading.current_thread(), returning)
 
     def stage_later(
         self,
@@ -392,39 +361,20 @@ class SnapshotRuntime:
         if res is not None:
             res.scheduler.start_copy_workers()
 
-    @staticmethod
-    def _never_claimed_error(rank: int) -> SnapshotAbortedError:
-        return SnapshotAbortedError(
-            f"rank {rank}: a snapshot staged {CLAIM_TIMEOUT_S:.0f}s ago was never picked up by "
-            "a save; it was dropped. Call stage() only through dcp.async_save (with this writer "
-            "as storage_writer) or dcp_datastates.async_save"
-        )
-
+    # -- the hand-off (handoff.py) ------------------------------------------------------------
     def has_unclaimed(self) -> bool:
-        return self._unclaimed is not None
+        return self._handoff.has_unclaimed()
 
     def claim(self) -> tuple[SnapshotSession, Any] | None:
         """On a DCP save thread: take the session staged (on another thread) for this save."""
-        with self._changed:
-            pending = self._unclaimed
-            if pending is None or pending.thread is threading.current_thread():
-                return None
-            self._unclaimed = None
-            self._changed.notify_all()
-            pending.session.owner = threading.current_thread()
-            pending.let_go()
-        pending.session.planned.wait()  # a deferred session: here, not on the caller's thread
-        return pending.session, pending.token
+        return self._handoff.claim()
 
     def drop_unclaimed(self, error: BaseException) -> None:
         """The save that was to claim the staged session will not run (``dcp.async_save``
         failed after staging): drop the session now."""
-        with self._changed:
-            pending, self._unclaimed = self._unclaimed, None
-            self._changed.notify_all()
+        pending = self._handoff.drop_unclaimed()
         if pending is not None:
-            pending.let_go()
-            self.abort(pending.session, error)
+            self.abort(pending, error)
 
     def start_snapshot(self, session: SnapshotSession) -> None:
         """A plain ``dcp.save``: snapshot the live tensors now, on this (the saving) thread's
@@ -480,17 +430,10 @@ class SnapshotRuntime:
         now = time.monotonic()
         with self._changed:
             sessions = list(self._sessions)
-            stale = self._unclaimed
-            if stale is not None and now - stale.at > CLAIM_TIMEOUT_S:
-                self._unclaimed = None
-                self._changed.notify_all()
-            else:
-                stale = None
+            stale = self._handoff.take_stale(now)
         if stale is not None:
-            logger.warning(
-                "rank %d: a staged snapshot was never saved; dropping it", stale.session.rank
-            )
-            self.abort(stale.session, self._never_claimed_error(stale.session.rank))
+            logger.warning("rank %d: a staged snapshot was never saved; dropping it", stale.rank)
+            self.abort(stale, never_claimed_error(stale.rank))
         for s in sessions:
             if s.owner is not None and not s.owner.is_alive() and not s.flush_started:
                 self.abort(s, self._unwritten_error(s, "exited"))
@@ -531,13 +474,9 @@ class SnapshotRuntime:
         """
         with self._changed:
             self.closed = True
-            stray = self._unclaimed
-            if stray is not None and not stray.expect_claim:
-                self._unclaimed = None
-            else:
-                stray = None
+            stray = self._handoff.take_stray()
         if stray is not None:
-            self.abort(stray.session, self._dropped_error())
+            self.abort(stray, self._dropped_error())
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.reap_abandoned()
@@ -548,10 +487,8 @@ class SnapshotRuntime:
                     break
                 self._changed.wait(timeout=0.5 if left is None else min(0.5, left))
         if busy:
-            with self._changed:
-                if self._unclaimed is not None:  # its save thread has not claimed it yet
-                    self._dropped_claim = (self._unclaimed.thread, self._dropped_error())
-                self._unclaimed = None
+            with self._changed:  # a save thread yet to claim its snapshot fails with this
+                self._handoff.forget(self._dropped_error())
             for s in busy:
                 self.abort(s, self._dropped_error())
         self._deferred.close()  # a session dropped while planned stays empty
@@ -575,7 +512,7 @@ class SnapshotRuntime:
         threads and the pool go, without blocking (this runs inside the garbage collector)."""
         with self._changed:
             self.closed = True
-            self._unclaimed = None
+            self._handoff.forget()
             busy = self._busy()
             res, self._resources = self._resources, None
             self._released = True
