@@ -258,15 +258,20 @@ class SnapshotRuntime:
     ) -> None:
         """Leave ``session`` for a save thread to claim; ``returning`` is registered for
         :meth:`caller_returning` once it is handed off (a failed ``stage()`` leaves none)."""
-        with self._lock:  # self._changed's lock (its Python-level __enter__ is two more frames)
-            self.check_open()
-            stale = self._handoff.wait_for_slot(session.rank)
+        stale = None
+        try:
+            with self._lock:  # self._changed's lock (its __enter__ in Python is two more frames)
+                self.check_open()
+                stale = self._handoff.wait_for_slot(session.rank)
+                self.check_open()  # close() may have run while this waited
+                self._handoff.leave(session, token, expect_claim, claimed)
+                if returning is not None:
+                    self._deferred.expect_return(threading.current_thread(), returning)
+        finally:
             if stale is not None:
+                # Outside the lock, as in start_flush: with no copy in flight it retires at
+                # once, and its retirement callback takes the lock (under it, stage() hung).
                 self.abort(stale, never_claimed_error(stale.rank))
-            self.check_open()  # close() may have run while this waited
-            self._handoff.leave(session, token, expect_claim, claimed)
-            if returning is not None:
-                self._deferred.expect_return(threading.current_thread(), returning)
 
     def stage_later(
         self,
