@@ -450,7 +450,7 @@ def test_a_save_failing_while_planning_on_a_reused_save_thread_drops_its_snapsho
     with pytest.raises(CheckpointSaveError, match="overwrite=False"):
         again.upload_completion.result(timeout=EVENT_TIMEOUT_S)
     assert pool_drains(writer)
-    wait_for(lambda: not writer._runtime._busy(), "the failed save's snapshot to be dropped")
+    wait_for(lambda: not writer._runtime._live.busy(), "the failed save's snapshot to be dropped")
     done = threading.Thread(target=writer.close)  # returns at once: nothing left to wait for
     done.start()
     done.join(timeout=EVENT_TIMEOUT_S)

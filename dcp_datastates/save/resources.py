@@ -1,10 +1,10 @@
 """What a writer's runtime allocates once and reuses: the host pool, sized here, and its threads.
 
 Owns the automatic pool size (``auto_pool_bytes`` from ``physical_memory`` and
-``local_world_size``), :class:`Resources` (pool, snapshot scheduler, running flushes) and the
-check that a session's pieces fit the pool. Holds no lock: the runtime (``runtime.py``) makes
-and gives back a ``Resources`` under its own. May import ``snapshot``, ``options`` and
-``errors``; nothing else of ``save/``.
+``local_world_size``), :class:`Resources` (pool, snapshot scheduler, running flushes), the
+check that a session's pieces fit the pool, and :class:`SaveThreads`. Holds no lock: the
+runtime (``runtime.py``) makes and gives back a ``Resources`` under its own. May import
+``snapshot``, ``options`` and ``errors``; nothing else of ``save/``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from .flush import flush
 
 #: Smallest automatically sized pool.
 MIN_AUTO_POOL = 16 * MiB
+#: Most saves of one writer that run at once on its save threads (``run_save``); a save
+#: beyond them would wait for one to end, and its snapshot's claim with it.
+MAX_SAVE_THREADS = 32
 
 
 def physical_memory() -> int:
@@ -136,3 +139,27 @@ def check_fits(session: SnapshotSession, pool: HostPool) -> None:
                 f"{piece.nbytes} bytes, more than the {pool.capacity}-byte host pool; "
                 "raise host_pool_bytes or save a contiguous copy"
             )
+
+
+class SaveThreads:
+    """The writer's save threads (``dcp_datastates.async_save``), made at the first save and
+    kept between saves; one per save running at once."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, save: Any, *args: Any) -> Future[Any]:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                MAX_SAVE_THREADS, thread_name_prefix="datastates-save"
+            )
+        return self._pool.submit(save, *args)
+
+    def start(self) -> None:
+        """Start one thread now (``warm_up``): the pool starts a thread for its first job,
+        which then waits idle for the first save."""
+        self.submit(int)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)

@@ -38,7 +38,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem
@@ -54,13 +54,10 @@ from ..snapshot.pool import HostPool
 from ..storage.base import Storage
 from .deferred import DeferredPlanning, Plan
 from .handoff import HandOff, never_claimed_error
-from .resources import Resources, auto_pool_bytes, check_fits
+from .resources import Resources, SaveThreads, auto_pool_bytes, check_fits
+from .sessions import LiveSessions
 
 logger = logging.getLogger(__name__)
-
-#: Most saves of one writer that run at once on its save threads (``run_save``); a save
-#: beyond them would wait for one to end, and its snapshot's claim with it.
-MAX_SAVE_THREADS = 32
 
 
 #: Every runtime of this process, to be disowned in a child made by ``os.fork()``.
@@ -89,13 +86,12 @@ class SnapshotRuntime:
         self._changed = threading.Condition(self._lock)
         #: The session staged and not yet claimed by its save thread (``handoff.py``).
         self._handoff = HandOff(self._lock, self._changed)
-        self._sessions: list[SnapshotSession] = []
+        #: Sessions until they retire, and their retirement callback (``sessions.py``).
+        self._live = LiveSessions(self._changed)
         self._resources: Resources | None = None
         #: Plans what ``stage()`` only recorded, on its own thread (``deferred.py``).
         self._deferred = DeferredPlanning(guard_forward=options.guard_forward)
-        #: Every session's retirement callback (it holds this runtime weakly).
-        self._retired_callback = self._on_retired()
-        self._savers: ThreadPoolExecutor | None = None  # run dcp_datastates.async_save's saves
+        self._savers = SaveThreads()  # run dcp_datastates.async_save's saves
         self.closed = False
         #: Pool and threads given back (``close()`` ended, or ``abandon()``): no save may make
         #: them again. Between ``closed`` and this, close() waits for the saves already staged,
@@ -144,8 +140,9 @@ class SnapshotRuntime:
         self._changed = threading.Condition(self._lock)
         self.closed = self.inherited = self._released = True
         self._handoff = HandOff(self._lock, self._changed)
-        self._resources = self._savers = None
-        self._sessions = []
+        self._resources = None
+        self._savers = SaveThreads()
+        self._live = LiveSessions(self._changed)
         self._deferred.inherited_by_fork()
 
     def _closed_error(self) -> WriterClosedError:
@@ -193,33 +190,9 @@ class SnapshotRuntime:
         )
         session.local_plan = getattr(items, "local_plan", None)
         check_fits(session, res.pool)
-        session.on_retired = self._retired_callback
         with self._lock:
-            self._sessions = [s for s in self._sessions if not s.retired] + [session]
+            self._live.add(session)
         return session
-
-    def _on_retired(self) -> Callable[[SnapshotSession], None]:
-        """A session's retirement callback, holding this runtime weakly: the runtime holds its
-        sessions, and a bound method in each made a reference cycle that only the cyclic GC
-        broke, so the pool of a writer dropped without ``close()`` (DCP's writer per save) stayed
-        mapped until a full collection: one more state's worth of host memory per save."""
-        ref = weakref.WeakMethod(self._retired)
-
-        def retired(session: SnapshotSession) -> None:
-            method = ref()
-            if method is not None:
-                method(session)
-
-        return retired
-
-    def _retired(self, session: SnapshotSession) -> None:
-        with self._changed:
-            # Not kept once retired: a failed session holds its error, whose traceback holds
-            # the frames of the save that failed, the writer's among them; the writer's
-            # finalizer holds this runtime, so a writer dropped after a failed save (DCP's
-            # writer per save) was kept alive by its own finalizer, threads and pool included.
-            self._sessions = [s for s in self._sessions if s is not session]
-            self._changed.notify_all()
 
     def stage(
         self,
@@ -293,8 +266,7 @@ class SnapshotRuntime:
             self.check_open()
             session = self._deferred.take_session(rank)
             session.created = started
-            session.on_retired = self._retired_callback
-            self._sessions = [s for s in self._sessions if not s.retired] + [session]
+            self._live.add(session)
             planner = self._deferred.planner()
         # Planning starts once the save thread has claimed the session and the caller is
         # returning from dcp.async_save: started at stage(), it took the GIL from the caller's
@@ -332,10 +304,6 @@ class SnapshotRuntime:
         from a callback or right after ``result()`` may start another (32 at most)."""
         with self._lock:
             self.check_open()
-            if self._savers is None:
-                self._savers = ThreadPoolExecutor(
-                    MAX_SAVE_THREADS, thread_name_prefix="datastates-save"
-                )
             return self._savers.submit(save, *args)
 
     def prepare(self, expected_bytes: int, rank: int, *, staged: bool = False) -> HostPool:
@@ -356,13 +324,9 @@ class SnapshotRuntime:
         with self._lock:
             self.check_open()
             planner = self._deferred.planner()
-            if self._savers is None:
-                self._savers = ThreadPoolExecutor(
-                    MAX_SAVE_THREADS, thread_name_prefix="datastates-save"
-                )
             savers, res = self._savers, self._resources
         planner.start()
-        savers.submit(int)  # the pool starts a thread for its first job, which then waits idle
+        savers.start()
         if res is not None:
             res.scheduler.start_copy_workers()
 
@@ -434,7 +398,7 @@ class SnapshotRuntime:
         flushing it (its save failed while planning), or none claimed it in time."""
         now = time.monotonic()
         with self._changed:
-            sessions = list(self._sessions)
+            sessions = self._live.all()
             stale = self._handoff.take_stale(now)
         if stale is not None:
             logger.warning("rank %d: a staged snapshot was never saved; dropping it", stale.rank)
@@ -449,9 +413,7 @@ class SnapshotRuntime:
         whose DCP thread exited (this thread lives on for the next save)."""
         me = threading.current_thread()
         with self._lock:
-            mine = [
-                s for s in self._sessions if s.owner is me and not s.flush_started and not s.retired
-            ]
+            mine = [s for s in self._live.busy() if s.owner is me and not s.flush_started]
         for s in mine:
             self.abort(s, self._unwritten_error(s, "ended its save"))
 
@@ -463,10 +425,6 @@ class SnapshotRuntime:
             "writing its snapshot (its save failed while planning; see that save's error); "
             "the snapshot was dropped and its pool space freed"
         )
-
-    def _busy(self) -> list[SnapshotSession]:
-        # caller holds self._lock
-        return [s for s in self._sessions if not s.retired]
 
     def close(self, timeout: float | None = None) -> None:
         """Refuse new work, wait for every session to retire, then give back pool and threads.
@@ -486,7 +444,7 @@ class SnapshotRuntime:
         while True:
             self.reap_abandoned()
             with self._changed:
-                busy = self._busy()
+                busy = self._live.busy()
                 left = None if deadline is None else deadline - time.monotonic()
                 if not busy or (left is not None and left <= 0):
                     break
@@ -497,9 +455,8 @@ class SnapshotRuntime:
             for s in busy:
                 self.abort(s, self._dropped_error())
         self._deferred.close()  # a session dropped while planned stays empty
-        if self._savers is not None:
-            # Their saves retired above; close() may run on one of them (a done callback).
-            self._savers.shutdown(wait=False)
+        # Their saves retired above; close() may run on one of them (a done callback).
+        self._savers.shutdown()
         with self._lock:
             res, self._resources = self._resources, None
             self._released = True
@@ -518,12 +475,11 @@ class SnapshotRuntime:
         with self._changed:
             self.closed = True
             self._handoff.forget()
-            busy = self._busy()
+            busy = self._live.busy()
             res, self._resources = self._resources, None
             self._released = True
             self._deferred.close(wait=False)
-            if self._savers is not None:
-                self._savers.shutdown(wait=False)
+            self._savers.shutdown()
         error = SnapshotAbortedError(
             f"the DataStatesWriter for {self.name} was garbage collected before this snapshot "
             "was written"
