@@ -60,7 +60,7 @@ def test_every_error_the_readme_lists_is_importable_from_the_package() -> None:
 
 
 def test_the_automatic_pools_floor_is_the_one_the_readme_gives() -> None:
-    from dcp_datastates.save.runtime import MIN_AUTO_POOL
+    from dcp_datastates.save.resources import MIN_AUTO_POOL
 
     floors = re.findall(r"never under (\d+) MiB", README.read_text())
     assert floors and {int(f) * MiB for f in floors} == {MIN_AUTO_POOL}, floors

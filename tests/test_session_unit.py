@@ -17,7 +17,8 @@ from dcp_datastates.errors import (
     WriterClosedError,
 )
 from dcp_datastates.options import WriterOptions
-from dcp_datastates.save import runtime as runtime_mod
+from dcp_datastates.save import deferred as deferred_mod
+from dcp_datastates.save import handoff as handoff_mod
 from dcp_datastates.save.flush import assign_files
 from dcp_datastates.save.planner import plan_providers
 from dcp_datastates.save.runtime import SnapshotRuntime
@@ -243,7 +244,7 @@ def test_a_staged_session_is_claimed_by_another_thread_only() -> None:
 
 
 def test_a_session_never_claimed_is_dropped_after_the_claim_timeout(monkeypatch) -> None:
-    monkeypatch.setattr(runtime_mod, "CLAIM_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(handoff_mod, "CLAIM_TIMEOUT_S", 0.05)
     rt, session = runtime_with({"t": torch.zeros(1000)})
     rt.stage(session, None, started=time.monotonic(), expect_claim=True)
     time.sleep(0.1)
@@ -268,7 +269,7 @@ def _stage_later(rt: SnapshotRuntime) -> threading.Event:
 def test_planning_starts_once_claimed_and_the_staging_thread_is_returning(monkeypatch) -> None:
     # Planning that starts while the caller is still inside dcp.async_save takes the GIL from
     # it for a switch interval (5 ms): it waits for the claim and for the caller's signal.
-    monkeypatch.setattr(runtime_mod, "RETURN_WAIT_S", EVENT_TIMEOUT_S)
+    monkeypatch.setattr(deferred_mod, "RETURN_WAIT_S", EVENT_TIMEOUT_S)
     rt = SnapshotRuntime(WriterOptions(), "test")
     started = _stage_later(rt)
     claimer = threading.Thread(target=rt.claim)  # returns once the session is planned
@@ -281,19 +282,19 @@ def test_planning_starts_once_claimed_and_the_staging_thread_is_returning(monkey
     rt.caller_returning()
     assert started.wait(EVENT_TIMEOUT_S)
     claimer.join(EVENT_TIMEOUT_S)
-    assert not claimer.is_alive() and rt._returning == []
+    assert not claimer.is_alive() and rt._deferred._returning == []
     rt.close()
 
 
 def test_planning_starts_anyway_when_the_caller_never_says_it_returns(monkeypatch) -> None:
-    monkeypatch.setattr(runtime_mod, "RETURN_WAIT_S", 0.05)
+    monkeypatch.setattr(deferred_mod, "RETURN_WAIT_S", 0.05)
     rt = SnapshotRuntime(WriterOptions(), "test")
     started = _stage_later(rt)
     claimer = threading.Thread(target=rt.claim)
     claimer.start()
     assert started.wait(EVENT_TIMEOUT_S)
     claimer.join(EVENT_TIMEOUT_S)
-    assert rt._returning == []  # nothing left for a later caller_returning() to find
+    assert rt._deferred._returning == []  # nothing left for a later caller_returning() to find
     rt.close()
 
 
@@ -385,7 +386,8 @@ def test_a_stage_later_refused_at_the_hand_off_leaves_nothing_waiting_for_its_re
     rt = _HandOffRefused(WriterOptions(), "test")
     with pytest.raises(WriterClosedError):
         _stage_later(rt)
-    assert rt._returning == []  # no entry that only a later caller_returning() would clear
+    # No entry that only a later caller_returning() would clear.
+    assert rt._deferred._returning == []
     rt.close()
 
 

@@ -37,7 +37,7 @@ from dcp_datastates import (
 )
 from dcp_datastates.errors import SnapshotAbortedError
 from dcp_datastates.format import METADATA_NAME
-from dcp_datastates.save import runtime
+from dcp_datastates.save import handoff, resources
 from dcp_datastates.snapshot import guard
 from dcp_datastates.snapshot.pool import block_slack, live_pools
 
@@ -450,7 +450,7 @@ def test_a_save_failing_while_planning_on_a_reused_save_thread_drops_its_snapsho
     with pytest.raises(CheckpointSaveError, match="overwrite=False"):
         again.upload_completion.result(timeout=EVENT_TIMEOUT_S)
     assert pool_drains(writer)
-    wait_for(lambda: not writer._runtime._busy(), "the failed save's snapshot to be dropped")
+    wait_for(lambda: not writer._runtime._live.busy(), "the failed save's snapshot to be dropped")
     done = threading.Thread(target=writer.close)  # returns at once: nothing left to wait for
     done.start()
     done.join(timeout=EVENT_TIMEOUT_S)
@@ -614,12 +614,39 @@ def test_a_closed_writer_refuses_new_work_with_a_clear_error(tmp_path: Path, how
     assert writer._runtime.pool is None
 
 
+@pytest.mark.filterwarnings("ignore:DataStatesWriter.stage.. was not called:RuntimeWarning")
+def test_a_direct_stage_never_saved_is_dropped_by_the_next_stage_which_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stage() called directly leaves a snapshot that no save claims; the next stage() waits for
+    the claim timeout, then drops it. It dropped it under the runtime's lock, and a snapshot with
+    no copy in flight retires at once, in a callback that takes that same lock: the second
+    stage() hung for good, and so did close() and the writer's finalizer."""
+    monkeypatch.setattr(handoff, "CLAIM_TIMEOUT_S", 0.05)
+    writer = DataStatesWriter(tmp_path)
+    writer.stage(state())
+    first = writer._runtime._handoff._unclaimed.session
+    writer.staging_future.result(timeout=EVENT_TIMEOUT_S)  # every copy landed: none in flight
+    second: list = []
+    stager = threading.Thread(target=lambda: second.append(writer.stage(state(2))), daemon=True)
+    stager.start()
+    stager.join(EVENT_TIMEOUT_S)
+    if stager.is_alive():
+        writer._finalizer.detach()  # it would wait on the lock the stuck thread holds
+        pytest.fail("the second stage() deadlocked dropping the snapshot nobody claimed")
+    assert len(second) == 1
+    assert isinstance(first.error, SnapshotAbortedError)
+    assert "was never picked up by a save" in str(first.error)
+    assert first.retired  # its pool blocks are back
+    writer.close()
+
+
 # -- item 6: automatic pool size ---------------------------------------------------------------
 def test_the_automatic_pool_is_this_ranks_share_of_the_node(
     tmp_path: Path, make_writer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(runtime, "physical_memory", lambda: 256 * MiB)  # 64 MiB at 0.25
-    monkeypatch.setattr(runtime, "MIN_AUTO_POOL", MiB)
+    monkeypatch.setattr(resources, "physical_memory", lambda: 256 * MiB)  # 64 MiB at 0.25
+    monkeypatch.setattr(resources, "MIN_AUTO_POOL", MiB)
     sd = {"w": torch.randn(6 * MiB)}  # 24 MiB
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     alone = make_writer(tmp_path / "a")

@@ -5,9 +5,15 @@
 * the host pool and the snapshot threads, sized and started by the first save, given back by
   ``close()`` or, for a writer dropped without it, when the writer is garbage collected;
 * the hand-off of a session from ``stage()`` (caller's thread) to the DCP thread that saves it
-  (``claim``);
+  (``claim``), through the slot of ``handoff.py``;
 * the flushes that are running (``close()`` waits for them);
 * reaping sessions whose save died before writing them, and dropping the ones nobody will write.
+
+What the pool and threads are, and how big, is ``resources.py``; planning a session ``stage()``
+only recorded, on the planning thread, is ``deferred.py``; the slot a staged session waits in
+until its save thread claims it (UNCLAIMED below) is ``handoff.py``. This module holds the one
+lock (and its Condition) over the sessions and the hand-off, shared with ``handoff.py``, and the
+fork hook that disowns them.
 
 Session lifecycle as the runtime sees it::
 
@@ -26,134 +32,32 @@ be claimed) and refuses new work from its first line on.
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
 import logging
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
 from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem
 
 from .._concurrency.latch import Latch
-from .._concurrency.workers import JobThreads
-from ..errors import InvalidStateDictError, SnapshotAbortedError, WriterClosedError
-from ..options import MiB, WriterOptions
+from ..errors import SnapshotAbortedError, WriterClosedError
+from ..options import WriterOptions
 from ..providers import StateProvider
 from ..snapshot import forward_gate as _forward_gate
 from ..snapshot import guard as _guard
-from ..snapshot.pool import HostPool, block_slack
-from ..snapshot.scheduler import SnapshotScheduler
+from ..snapshot.pool import HostPool
 from ..snapshot.session import SnapshotSession
 from ..storage.base import Storage
-from .flush import flush
+from .deferred import DeferredPlanning, Plan
+from .handoff import HandOff, never_claimed_error
+from .resources import Resources, SaveThreads, auto_pool_bytes, check_fits
+from .sessions import LiveSessions
 
 logger = logging.getLogger(__name__)
-
-#: How long a staged snapshot may wait for the save that claims it; then it is dropped.
-CLAIM_TIMEOUT_S = 30.0
-#: How long planning waits for the save thread to claim its session (it normally does within
-#: milliseconds, as ``dcp.async_save`` returns); then it plans anyway.
-CLAIM_START_WAIT_S = 0.5
-#: How long planning then waits for the caller to be on its way out of ``dcp.async_save``
-#: (:meth:`SnapshotRuntime.caller_returning`; it normally is within a millisecond or two); a
-#: DCP that never says so delays planning by this much.
-RETURN_WAIT_S = 0.05
-#: Most saves of one writer that run at once on its save threads (``run_save``); a save
-#: beyond them would wait for one to end, and its snapshot's claim with it.
-MAX_SAVE_THREADS = 32
-#: Smallest automatically sized pool.
-MIN_AUTO_POOL = 16 * MiB
-
-
-def _quietly(work: Callable[[], None]) -> None:
-    """Run bookkeeping that no save depends on; a failure is logged, never raised."""
-    try:
-        work()
-    except Exception:  # noqa: BLE001 - only a cache is lost: the next stage() walks
-        logger.debug("planning-thread bookkeeping failed", exc_info=True)
-
-
-def physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 16 << 30
-
-
-def local_world_size() -> int:
-    """Ranks on this node, from the launcher's environment (torchrun, Open MPI); 1 if unknown."""
-    for name in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
-
-
-def auto_pool_bytes(options: WriterOptions, expected_bytes: int) -> int:
-    """The automatic pool size: what this rank will write and its blocks' rounding
-    (``block_slack``), capped at this rank's share of the node (``max_pool_fraction`` of
-    physical memory divided by ``LOCAL_WORLD_SIZE``)."""
-    cap = int(physical_memory() * options.max_pool_fraction) // local_world_size()
-    need = int(expected_bytes) + block_slack(int(expected_bytes), options.coalesce_bytes)
-    return max(MIN_AUTO_POOL, min(need, cap))
-
-
-class _Resources:
-    """What a runtime allocates once, on the first save, and reuses: pool and threads."""
-
-    def __init__(self, options: WriterOptions, pool_bytes: int, on_stall: Any) -> None:
-        self.pool = HostPool(pool_bytes, populate=True)
-        self.chunk_bytes = options.effective_chunk_bytes(self.pool.capacity)
-        self.coalesce_bytes = min(options.coalesce_bytes, self.chunk_bytes)
-        self.scheduler = SnapshotScheduler(
-            self.pool,
-            copy_workers=options.effective_copy_workers(local_world_size()),
-            on_stall=on_stall,
-        )
-        self.live_flush = options.effective_live_flush(local_world_size())
-        self.flushes: set[Future[Any]] = set()  # running flushes, which close() waits for
-
-    def track(self, flush: Future[Any]) -> None:
-        self.flushes.add(flush)
-        flush.add_done_callback(self.flushes.discard)
-
-    def wait_for_flushes(self) -> None:
-        concurrent.futures.wait(list(self.flushes))
-
-    def close(self) -> None:
-        self.wait_for_flushes()
-        self.scheduler.close()  # waits for copies in flight; they release their blocks
-        self.pool.close()
-
-    def abandon(self) -> None:
-        """Stop without waiting (from a finalizer): the threads exit once their copies end and
-        then drop the pool's buffer."""
-        self.scheduler.stop(on_exit=self.pool.discard)
-
-
-@dataclass
-class _Staged:
-    session: SnapshotSession
-    thread: threading.Thread  # the thread that called stage(): never the one that claims
-    token: Any  # the writer's per-save record (its stats)
-    expect_claim: bool  # staged by a dcp.async_save, whose save thread will claim it
-    at: float
-    claimed: Latch | None = None  # set when a save thread claims it (or it is dropped)
-
-    def let_go(self) -> None:
-        if self.claimed is not None:
-            self.claimed.set()
-
-
-def _deferred_session(rank: int) -> SnapshotSession:
-    """A session ``stage()`` only recorded: the planning thread plans it."""
-    return SnapshotSession([], pool=None, chunk_bytes=0, coalesce_bytes=0, rank=rank, deferred=True)
 
 
 #: Every runtime of this process, to be disowned in a child made by ``os.fork()``.
@@ -180,22 +84,14 @@ class SnapshotRuntime:
         _LIVE_RUNTIMES.add(self)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._unclaimed: _Staged | None = None
-        self._sessions: list[SnapshotSession] = []
-        self._resources: _Resources | None = None
-        self._planner: JobThreads | None = None  # plans what stage() recorded
-        #: A session for the next ``stage_later``, made on the planning thread after the last
-        #: one was planned: made on the caller, it was 25-40 us of a 0.6 ms blocked call.
-        self._spare: SnapshotSession | None = None
-        #: Every session's retirement callback (it holds this runtime weakly).
-        self._retired_callback = self._on_retired()
-        self._savers: ThreadPoolExecutor | None = None  # run dcp_datastates.async_save's saves
-        #: The thread that staged a snapshot ``close(timeout)`` dropped before its save thread
-        #: claimed it, and the error that save is to fail with.
-        self._dropped_claim: tuple[threading.Thread, SnapshotAbortedError] | None = None
-        #: Per session planned later, the thread that staged it and the latch its planning
-        #: waits on until that thread is returning from ``dcp.async_save``.
-        self._returning: list[tuple[threading.Thread, Latch]] = []
+        #: The session staged and not yet claimed by its save thread (``handoff.py``).
+        self._handoff = HandOff(self._lock, self._changed)
+        #: Sessions until they retire, and their retirement callback (``sessions.py``).
+        self._live = LiveSessions(self._changed)
+        self._resources: Resources | None = None
+        #: Plans what ``stage()`` only recorded, on its own thread (``deferred.py``).
+        self._deferred = DeferredPlanning(guard_forward=options.guard_forward)
+        self._savers = SaveThreads()  # run dcp_datastates.async_save's saves
         self.closed = False
         #: Pool and threads given back (``close()`` ended, or ``abandon()``): no save may make
         #: them again. Between ``closed`` and this, close() waits for the saves already staged,
@@ -217,7 +113,7 @@ class SnapshotRuntime:
     def pool_peak(self) -> int:
         return self._resources.pool.peak_in_use if self._resources is not None else 0
 
-    def _ensure(self, expected_bytes: int, rank: int) -> _Resources:
+    def _ensure(self, expected_bytes: int, rank: int) -> Resources:
         # caller holds self._lock
         if self._resources is None:
             if self._released:
@@ -225,9 +121,15 @@ class SnapshotRuntime:
             size = self.options.host_pool_bytes
             if size is None:
                 size = auto_pool_bytes(self.options, expected_bytes)
-            self._resources = _Resources(self.options, size, self.reap_abandoned)
+            self._resources = Resources(self.options, size, self.reap_abandoned)
             logger.info("rank %d: host pool of %d bytes", rank, self._resources.pool.capacity)
         return self._resources
+
+    def _ensure_locked(self, expected_bytes: int, rank: int) -> Resources:
+        """:meth:`_ensure` for the planning thread: close() waits for the session it plans, so
+        a writer closed since may still make its pool."""
+        with self._lock:
+            return self._ensure(expected_bytes, rank)
 
     def _inherited_by_fork(self) -> None:
         """In a child made by ``os.fork()``: the threads are gone, and a parent thread may have
@@ -237,9 +139,11 @@ class SnapshotRuntime:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self.closed = self.inherited = self._released = True
-        self._unclaimed = self._resources = self._planner = self._savers = self._spare = None
-        self._sessions, self._returning = [], []
-        self._dropped_claim = None
+        self._handoff = HandOff(self._lock, self._changed)
+        self._resources = None
+        self._savers = SaveThreads()
+        self._live = LiveSessions(self._changed)
+        self._deferred.inherited_by_fork()
 
     def _closed_error(self) -> WriterClosedError:
         if self.inherited:
@@ -259,11 +163,7 @@ class SnapshotRuntime:
         """For a save that claimed no snapshot: on a writer that ``close(timeout)`` shut while
         the save thread of a staged snapshot was starting, that save fails as the snapshot did
         (:class:`SnapshotAbortedError`, once); any other save on a closed writer is refused."""
-        with self._lock:
-            dropped, self._dropped_claim = self._dropped_claim, None
-            if dropped is not None and dropped[0] is not threading.current_thread():
-                raise dropped[1]
-            self._dropped_claim = dropped
+        self._handoff.check_dropped_claim()
         self.check_open()
 
     # -- sessions ----------------------------------------------------------------------------
@@ -289,45 +189,10 @@ class SnapshotRuntime:
             rank=rank,
         )
         session.local_plan = getattr(items, "local_plan", None)
-        self._check_fits(session, res.pool)
-        session.on_retired = self._retired_callback
+        check_fits(session, res.pool)
         with self._lock:
-            self._sessions = [s for s in self._sessions if not s.retired] + [session]
+            self._live.add(session)
         return session
-
-    @staticmethod
-    def _check_fits(session: SnapshotSession, pool: HostPool) -> None:
-        for piece in session.pieces:
-            if piece.nbytes > pool.capacity:
-                fqn = piece.parts[0][0].fqn
-                raise InvalidStateDictError(
-                    f"rank {session.rank}: a row of non-contiguous tensor {fqn!r} needs "
-                    f"{piece.nbytes} bytes, more than the {pool.capacity}-byte host pool; "
-                    "raise host_pool_bytes or save a contiguous copy"
-                )
-
-    def _on_retired(self) -> Callable[[SnapshotSession], None]:
-        """A session's retirement callback, holding this runtime weakly: the runtime holds its
-        sessions, and a bound method in each made a reference cycle that only the cyclic GC
-        broke, so the pool of a writer dropped without ``close()`` (DCP's writer per save) stayed
-        mapped until a full collection: one more state's worth of host memory per save."""
-        ref = weakref.WeakMethod(self._retired)
-
-        def retired(session: SnapshotSession) -> None:
-            method = ref()
-            if method is not None:
-                method(session)
-
-        return retired
-
-    def _retired(self, session: SnapshotSession) -> None:
-        with self._changed:
-            # Not kept once retired: a failed session holds its error, whose traceback holds
-            # the frames of the save that failed, the writer's among them; the writer's
-            # finalizer holds this runtime, so a writer dropped after a failed save (DCP's
-            # writer per save) was kept alive by its own finalizer, threads and pool included.
-            self._sessions = [s for s in self._sessions if s is not session]
-            self._changed.notify_all()
 
     def stage(
         self,
@@ -339,7 +204,7 @@ class SnapshotRuntime:
     ) -> None:
         """Start ``session``'s copies and leave it for the save thread to claim (with ``token``,
         the writer's per-save record). Waits for an earlier staged session to be claimed first;
-        one never claimed within :data:`CLAIM_TIMEOUT_S` is dropped."""
+        one never claimed within ``handoff.CLAIM_TIMEOUT_S`` is dropped."""
         session.created = started
         try:
             self._hand_off(session, token, expect_claim)
@@ -366,30 +231,24 @@ class SnapshotRuntime:
     ) -> None:
         """Leave ``session`` for a save thread to claim; ``returning`` is registered for
         :meth:`caller_returning` once it is handed off (a failed ``stage()`` leaves none)."""
-        thread = threading.current_thread()
-        with self._lock:  # self._changed's lock (its Python-level __enter__ is two more frames)
-            self.check_open()
-            if self._unclaimed is not None:
-                if not self._changed.wait_for(
-                    lambda: self._unclaimed is None, timeout=CLAIM_TIMEOUT_S
-                ):
-                    stale = self._unclaimed.session
-                    self._unclaimed.let_go()
-                    self._unclaimed = None
-                    logger.warning(
-                        "rank %d: a staged snapshot was never saved; dropping it", session.rank
-                    )
-                    self.abort(stale, self._never_claimed_error(stale.rank))
+        stale = None
+        try:
+            with self._lock:  # self._changed's lock (its __enter__ in Python is two more frames)
+                self.check_open()
+                stale = self._handoff.wait_for_slot(session.rank)
                 self.check_open()  # close() may have run while this waited
-            self._unclaimed = _Staged(
-                session, thread, token, expect_claim, time.monotonic(), claimed
-            )
-            if returning is not None:
-                self._returning.append((thread, returning))
+                self._handoff.leave(session, token, expect_claim, claimed)
+                if returning is not None:
+                    self._deferred.expect_return(threading.current_thread(), returning)
+        finally:
+            if stale is not None:
+                # Outside the lock, as in start_flush: with no copy in flight it retires at
+                # once, and its retirement callback takes the lock (under it, stage() hung).
+                self.abort(stale, never_claimed_error(stale.rank))
 
     def stage_later(
         self,
-        plan: Callable[[], tuple[Sequence[tuple[WriteItem, StateProvider]], int]],
+        plan: Plan,
         token: Any,
         *,
         rank: int,
@@ -405,15 +264,10 @@ class SnapshotRuntime:
         thread's claim waits; a planning failure fails the session, and so the save."""
         with self._lock:
             self.check_open()
-            session, self._spare = self._spare, None
-            if session is None or session.rank != rank:
-                session = _deferred_session(rank)
+            session = self._deferred.take_session(rank)
             session.created = started
-            session.on_retired = self._retired_callback
-            self._sessions = [s for s in self._sessions if not s.retired] + [session]
-            if self._planner is None:
-                self._planner = JobThreads(1, "datastates-plan")
-            planner = self._planner
+            self._live.add(session)
+            planner = self._deferred.planner()
         # Planning starts once the save thread has claimed the session and the caller is
         # returning from dcp.async_save: started at stage(), it took the GIL from the caller's
         # last milliseconds in dcp.async_save (5-15 ms of blocked time at 5,000 tensors), and
@@ -432,15 +286,16 @@ class SnapshotRuntime:
         if self.options.guard_forward:
             _forward_gate.hold(session)
         self.last_staged = session.staged
-        planner.submit(self._plan_and_start, session, plan, claimed, returning, after)
+        planner.submit(
+            self._deferred.plan_and_start,
+            *(session, plan, self._ensure_locked, claimed, returning, after),
+        )
         return session
 
-    def _make_spare(self, rank: int) -> None:
-        """On the planning thread: the session the next ``stage_later`` takes."""
-        spare = _deferred_session(rank)
-        with self._lock:
-            if not self.closed:
-                self._spare = spare
+    def caller_returning(self) -> None:
+        """The calling thread is returning from ``dcp.async_save``: see
+        :meth:`DeferredPlanning.caller_returning`."""
+        self._deferred.caller_returning()
 
     def run_save(self, save: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``save(*args)`` (a ``dcp.save``) on one of the writer's save threads, which are
@@ -449,80 +304,7 @@ class SnapshotRuntime:
         from a callback or right after ``result()`` may start another (32 at most)."""
         with self._lock:
             self.check_open()
-            if self._savers is None:
-                self._savers = ThreadPoolExecutor(
-                    MAX_SAVE_THREADS, thread_name_prefix="datastates-save"
-                )
             return self._savers.submit(save, *args)
-
-    def _plan_and_start(
-        self,
-        session: SnapshotSession,
-        plan: Callable[[], tuple[Sequence[tuple[WriteItem, StateProvider]], int]],
-        claimed: Latch | None = None,
-        returning: Latch | None = None,
-        after: Callable[[], None] | None = None,
-    ) -> None:
-        try:
-            self._plan_and_start_session(session, plan, claimed, returning)
-        finally:
-            if after is not None:  # one job for both: a submit costs the caller 10-20 us
-                _quietly(after)
-            _quietly(functools.partial(self._make_spare, session.rank))
-
-    def _plan_and_start_session(
-        self,
-        session: SnapshotSession,
-        plan: Callable[[], tuple[Sequence[tuple[WriteItem, StateProvider]], int]],
-        claimed: Latch | None,
-        returning: Latch | None,
-    ) -> None:
-        if claimed is not None:
-            claimed.wait(CLAIM_START_WAIT_S)
-        if returning is not None:
-            returning.wait(RETURN_WAIT_S)
-            self._let_plan(returning)  # never left behind for a later caller_returning()
-        try:
-            try:
-                items, expected_bytes = plan()
-                with self._lock:  # close() waits for this session: planning goes on
-                    res = self._ensure(expected_bytes, session.rank)
-                planned = session.plan(
-                    [(item.index, provider) for item, provider in items],
-                    pool=res.pool,
-                    chunk_bytes=res.chunk_bytes,
-                    coalesce_bytes=res.coalesce_bytes,
-                )
-                if planned:
-                    session.local_plan = getattr(items, "local_plan", None)
-                    self._check_fits(session, res.pool)
-            except BaseException as exc:  # reaches the save through its flush, once
-                session.plan_failed(exc)
-                return
-            if not planned:
-                return
-            if self.options.guard_forward:
-                _forward_gate.protect(session)
-            res.scheduler.submit(session)
-        finally:
-            _forward_gate.release(session)
-
-    def caller_returning(self) -> None:
-        """The calling thread is returning from the ``dcp.async_save`` that staged its sessions
-        (DCP reads ``should_synchronize_after_execute`` there, after starting the save thread):
-        their planning may take the GIL now."""
-        me = threading.current_thread()
-        with self._lock:
-            mine = [event for thread, event in self._returning if thread is me]
-            if mine:
-                self._returning = [entry for entry in self._returning if entry[0] is not me]
-        for event in mine:
-            event.set()
-
-    def _let_plan(self, returning: Latch) -> None:
-        returning.set()
-        with self._lock:
-            self._returning = [entry for entry in self._returning if entry[1] is not returning]
 
     def prepare(self, expected_bytes: int, rank: int, *, staged: bool = False) -> HostPool:
         """Size the pool now (if no save did yet) and start faulting it in (``pool.py``).
@@ -541,51 +323,27 @@ class SnapshotRuntime:
         14-22 ms after the call against 8-11 ms (``docs/benchmarks.md``, item 24)."""
         with self._lock:
             self.check_open()
-            if self._planner is None:
-                self._planner = JobThreads(1, "datastates-plan")
-            if self._savers is None:
-                self._savers = ThreadPoolExecutor(
-                    MAX_SAVE_THREADS, thread_name_prefix="datastates-save"
-                )
-            planner, savers, res = self._planner, self._savers, self._resources
+            planner = self._deferred.planner()
+            savers, res = self._savers, self._resources
         planner.start()
-        savers.submit(int)  # the pool starts a thread for its first job, which then waits idle
+        savers.start()
         if res is not None:
             res.scheduler.start_copy_workers()
 
-    @staticmethod
-    def _never_claimed_error(rank: int) -> SnapshotAbortedError:
-        return SnapshotAbortedError(
-            f"rank {rank}: a snapshot staged {CLAIM_TIMEOUT_S:.0f}s ago was never picked up by "
-            "a save; it was dropped. Call stage() only through dcp.async_save (with this writer "
-            "as storage_writer) or dcp_datastates.async_save"
-        )
-
+    # -- the hand-off (handoff.py) ------------------------------------------------------------
     def has_unclaimed(self) -> bool:
-        return self._unclaimed is not None
+        return self._handoff.has_unclaimed()
 
     def claim(self) -> tuple[SnapshotSession, Any] | None:
         """On a DCP save thread: take the session staged (on another thread) for this save."""
-        with self._changed:
-            pending = self._unclaimed
-            if pending is None or pending.thread is threading.current_thread():
-                return None
-            self._unclaimed = None
-            self._changed.notify_all()
-            pending.session.owner = threading.current_thread()
-            pending.let_go()
-        pending.session.planned.wait()  # a deferred session: here, not on the caller's thread
-        return pending.session, pending.token
+        return self._handoff.claim()
 
     def drop_unclaimed(self, error: BaseException) -> None:
         """The save that was to claim the staged session will not run (``dcp.async_save``
         failed after staging): drop the session now."""
-        with self._changed:
-            pending, self._unclaimed = self._unclaimed, None
-            self._changed.notify_all()
+        pending = self._handoff.drop_unclaimed()
         if pending is not None:
-            pending.let_go()
-            self.abort(pending.session, error)
+            self.abort(pending, error)
 
     def start_snapshot(self, session: SnapshotSession) -> None:
         """A plain ``dcp.save``: snapshot the live tensors now, on this (the saving) thread's
@@ -620,33 +378,7 @@ class SnapshotRuntime:
             # waited for itself, and close() for both.
             session.retire()
             return failed
-        # Host copies whose pool holds the whole session: the flush writes what the copies
-        # have not reached straight from the live tensors (engine.py, flush.py), from now on.
-        if (
-            res.live_flush
-            and session.live_parts > 0
-            and session.device.synchronous
-            and session.pool is not None
-            and session.nbytes <= session.pool.capacity
-        ):
-            session.start_live()
-        result = flush(
-            storage=storage,
-            items=items,
-            session=session,
-            prefix=prefix,
-            workers=self.options.flush_workers,
-            sync=self.options.sync_files,
-            nice=self.options.flush_nice,
-            # Other host copies: writes started while the snapshot copies take cores and memory
-            # bandwidth from it on a small machine, and the copy is what the caller waits for.
-            # The flush threads wait until the snapshot is staged, or needs pool space that only
-            # a flush can free (a state larger than the pool still streams).
-            start_after=(
-                session.flush_may_start if session.device.synchronous and not session.live else None
-            ),
-        )
-        res.track(result)
+        result = res.flush(session, storage=storage, items=items, prefix=prefix)
         result.add_done_callback(lambda _f: self._flush_over(session))
         return result
 
@@ -666,18 +398,11 @@ class SnapshotRuntime:
         flushing it (its save failed while planning), or none claimed it in time."""
         now = time.monotonic()
         with self._changed:
-            sessions = list(self._sessions)
-            stale = self._unclaimed
-            if stale is not None and now - stale.at > CLAIM_TIMEOUT_S:
-                self._unclaimed = None
-                self._changed.notify_all()
-            else:
-                stale = None
+            sessions = self._live.all()
+            stale = self._handoff.take_stale(now)
         if stale is not None:
-            logger.warning(
-                "rank %d: a staged snapshot was never saved; dropping it", stale.session.rank
-            )
-            self.abort(stale.session, self._never_claimed_error(stale.session.rank))
+            logger.warning("rank %d: a staged snapshot was never saved; dropping it", stale.rank)
+            self.abort(stale, never_claimed_error(stale.rank))
         for s in sessions:
             if s.owner is not None and not s.owner.is_alive() and not s.flush_started:
                 self.abort(s, self._unwritten_error(s, "exited"))
@@ -688,9 +413,7 @@ class SnapshotRuntime:
         whose DCP thread exited (this thread lives on for the next save)."""
         me = threading.current_thread()
         with self._lock:
-            mine = [
-                s for s in self._sessions if s.owner is me and not s.flush_started and not s.retired
-            ]
+            mine = [s for s in self._live.busy() if s.owner is me and not s.flush_started]
         for s in mine:
             self.abort(s, self._unwritten_error(s, "ended its save"))
 
@@ -703,10 +426,6 @@ class SnapshotRuntime:
             "the snapshot was dropped and its pool space freed"
         )
 
-    def _busy(self) -> list[SnapshotSession]:
-        # caller holds self._lock
-        return [s for s in self._sessions if not s.retired]
-
     def close(self, timeout: float | None = None) -> None:
         """Refuse new work, wait for every session to retire, then give back pool and threads.
 
@@ -718,35 +437,26 @@ class SnapshotRuntime:
         """
         with self._changed:
             self.closed = True
-            stray = self._unclaimed
-            if stray is not None and not stray.expect_claim:
-                self._unclaimed = None
-            else:
-                stray = None
+            stray = self._handoff.take_stray()
         if stray is not None:
-            self.abort(stray.session, self._dropped_error())
+            self.abort(stray, self._dropped_error())
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.reap_abandoned()
             with self._changed:
-                busy = self._busy()
+                busy = self._live.busy()
                 left = None if deadline is None else deadline - time.monotonic()
                 if not busy or (left is not None and left <= 0):
                     break
                 self._changed.wait(timeout=0.5 if left is None else min(0.5, left))
         if busy:
-            with self._changed:
-                if self._unclaimed is not None:  # its save thread has not claimed it yet
-                    self._dropped_claim = (self._unclaimed.thread, self._dropped_error())
-                self._unclaimed = None
+            with self._changed:  # a save thread yet to claim its snapshot fails with this
+                self._handoff.forget(self._dropped_error())
             for s in busy:
                 self.abort(s, self._dropped_error())
-        self._spare = None
-        if self._planner is not None:
-            self._planner.shutdown()  # a session dropped while planned stays empty
-        if self._savers is not None:
-            # Their saves retired above; close() may run on one of them (a done callback).
-            self._savers.shutdown(wait=False)
+        self._deferred.close()  # a session dropped while planned stays empty
+        # Their saves retired above; close() may run on one of them (a done callback).
+        self._savers.shutdown()
         with self._lock:
             res, self._resources = self._resources, None
             self._released = True
@@ -764,15 +474,12 @@ class SnapshotRuntime:
         threads and the pool go, without blocking (this runs inside the garbage collector)."""
         with self._changed:
             self.closed = True
-            self._unclaimed = None
-            busy = self._busy()
+            self._handoff.forget()
+            busy = self._live.busy()
             res, self._resources = self._resources, None
             self._released = True
-            self._spare = None
-            if self._planner is not None:
-                self._planner.shutdown(wait=False)
-            if self._savers is not None:
-                self._savers.shutdown(wait=False)
+            self._deferred.close(wait=False)
+            self._savers.shutdown()
         error = SnapshotAbortedError(
             f"the DataStatesWriter for {self.name} was garbage collected before this snapshot "
             "was written"

@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from .. import _dcp_private
 from ..options import WriterOptions
 from ..snapshot.capture import Capture
-from ..snapshot.session import SnapshotSession
 from ..snapshot.replay import CaptureCache
+from ..snapshot.session import SnapshotSession
 from ..stats import SaveStats
 from ..storage import localfile
 from ..storage.base import is_local
