@@ -32,7 +32,7 @@ class WriterOptions:
             default: data files are written with ``O_DIRECT`` (``localfile.py``), where ext4 and
             most file systems serialize the writes to one file, so the files in parallel are
             the device's queue depth; on the benchmark VM 4 files reached 1.54-1.72 GB/s against
-            0.76-1.24 GB/s with 2 (``docs/benchmarks.md``, issue 11, "Durable throughput").
+            0.76-1.24 GB/s with 2 (``docs/benchmarks.md``, "Targets").
         flush_nice: Nice value (0 to 19) the flush threads drop to on Linux once the snapshot
             is staged (before, a pool smaller than the state makes the snapshot wait for the
             space they free): the higher, the more the training threads win the cores while a
@@ -59,7 +59,7 @@ class WriterOptions:
             pool block is free again only once its bytes reach the disk, so with a pool
             smaller than the state the snapshot (time to safe) follows the disk; ``False``
             writes through the page cache, which frees blocks at memory speed and holds the
-            dirty bytes until ``fsync`` (``docs/benchmarks.md``, issue 11). Only with
+            dirty bytes until ``fsync`` (``docs/benchmarks.md``, "Targets"). Only with
             ``sync_files``; object stores ignore it.
         live_flush: Let the flush write big host tensors from the live state while the
             snapshot copies run, where the pool holds the whole state and data files are
@@ -71,7 +71,7 @@ class WriterOptions:
             workers (``effective_live_flush``): on a machine whose copies take every core, the
             flush's reads, checksums and writes slow the copies that the next optimizer step
             waits for (3 GB on 2 cores: safe 0.30 s with it, 0.26 s without) and buy no
-            training time (``docs/benchmarks.md``, issue 11, item 24).
+            training time (``CHANGELOG.md``, item 24).
         overwrite: Allow saving into a directory that already holds a committed checkpoint. The old
             commit record is removed before any data is written, so a crash mid-overwrite leaves an
             uncommitted directory, never a checkpoint that mixes old and new data.

@@ -191,8 +191,8 @@ def test_overwrite(impl: str, tmp_path: Path) -> None:
 
 
 def test_a_save_without_checkpoint_id_goes_to_the_writers_path(tmp_path: Path) -> None:
-    """The one documented difference (README): stock's ``reset()`` keeps the last checkpoint_id,
-    so a stock writer saves over it again; ours saves where it was made to."""
+    """The one documented difference (docs/compat.md): stock's ``reset()`` keeps the last
+    checkpoint_id, so a stock writer saves over it again; ours saves where it was made to."""
     writer = writer_for("ours", tmp_path / "home")
     dcp.save(_state(1), storage_writer=writer, checkpoint_id=tmp_path / "a")
     dcp.save(_state(2), storage_writer=writer)

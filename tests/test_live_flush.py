@@ -340,7 +340,7 @@ def test_the_snapshot_is_safe_while_a_live_write_waits_on_a_slow_disk(
     """The flush has read the first 1 MiB step of "big" and its disk write hangs (a slow disk);
     then the copy of "first" ends. The rest of "big" is copied into the pool at once and the
     snapshot is safe while that write still hangs; "big" changed right then does not reach the
-    checkpoint. Until item 23 (``docs/benchmarks.md``) the disk wrote from the live tensor, and
+    checkpoint. Until item 23 (``CHANGELOG.md``) the disk wrote from the live tensor, and
     ``staged`` waited for that write."""
     _direct_or_skip(tmp_path)
     monkeypatch.setattr(flush_mod, "LIVE_STEP", MiB)

@@ -76,7 +76,7 @@ def read_checked(
         return got, crc
     # Once per piece on every I/O thread, with the GIL held: kept to one slice, one read and one
     # crc32c per piece (with a local file's single-buffer read_into, a warm 2 GB load read in 244
-    # against 252 ms, 12 alternations; docs/benchmarks.md, item 25).
+    # against 252 ms, 12 alternations; CHANGELOG.md, item 25).
     got = crc = 0
     for buf in buffers:
         for start in range(0, buf.nbytes, piece):

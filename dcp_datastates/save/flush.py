@@ -182,7 +182,7 @@ def _write_live(f: Any, session: SnapshotSession, slice_: Any, crc: int) -> int 
     disk writes them from there with the lock let go: the live tensor is never the source of a
     disk write, so a take-over (the last copy done, an optimizer step beginning) waits for one
     step's read at most, and copies the rest into the pool itself. Until item 23 of
-    ``docs/benchmarks.md`` the disk wrote straight from the live tensor, and the snapshot's end
+    ``CHANGELOG.md`` the disk wrote straight from the live tensor, and the snapshot's end
     waited for one disk write per file in flight: 7-16 ms, up to 85 ms on a slow write."""
     piece = slice_.piece
     if len(piece.parts) != 1 or session.hurry():

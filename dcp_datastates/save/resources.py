@@ -84,7 +84,8 @@ class Resources:
         """Start writing ``items`` of ``session`` (one the runtime let flush) on the flush
         threads, tracked until it resolves."""
         # Host copies whose pool holds the whole session: the flush writes what the copies
-        # have not reached straight from the live tensors (snapshot/session.py, flush.py), from now on.
+        # have not reached straight from the live tensors (snapshot/session.py, flush.py), from
+        # now on.
         if (
             self.live_flush
             and session.live_parts > 0

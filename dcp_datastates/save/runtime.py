@@ -320,7 +320,7 @@ class SnapshotRuntime:
         thread and a save thread, on the caller's, and the copy workers, which the first copy
         waits for. Each start waits for its thread to run: the first save after ``warm_up`` at 4
         GB returned after 1.9-3.1 ms where later saves take 0.7-0.8, and its first copy started
-        14-22 ms after the call against 8-11 ms (``docs/benchmarks.md``, item 24)."""
+        14-22 ms after the call against 8-11 ms (``CHANGELOG.md``, item 24)."""
         with self._lock:
             self.check_open()
             planner = self._deferred.planner()

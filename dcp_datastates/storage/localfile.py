@@ -6,8 +6,8 @@ Through the page cache every byte costs a copy into freshly allocated cache page
 memory is short, reclaiming other pages first), and the final ``fsync`` then waits for most of
 the file: on the 2-core VM of ``docs/benchmarks.md`` 1 GB of buffered ``write()`` took 0.2-2.6 s
 of CPU against 0.03-0.09 s with ``O_DIRECT`` from an aligned buffer, and one direct writer
-reached 1.45-1.58 GB/s against 0.21-0.78 GB/s buffered (``docs/benchmarks.md``, issue 11,
-"Durable throughput"). ``O_DIRECT`` needs the memory address, the file offset and the length
+reached 1.45-1.58 GB/s against 0.21-0.78 GB/s buffered (``docs/benchmarks.md``,
+"Targets"). ``O_DIRECT`` needs the memory address, the file offset and the length
 of every write aligned to the device's block. Two ways in:
 
 - ``write``: bytes are gathered into an aligned buffer (one ``memmove``, which releases the GIL)
