@@ -4,13 +4,14 @@
 ``_dist_workers.launch``; WORLD 1 runs without a process group). Settings come from the
 environment (``CK_*``, see ``_settings``). Every step prints one line
 ``step N digest D latest L`` (flushed), so a test can wait on the output instead of sleeping;
-the rank's report (``DIR/rank{RANK}.json``) lists the digests per step and how the run ended.
+the rank's report (``DIR/rank{RANK}.json``, written by ``_dist_workers.run_worker``) lists the
+digests per step and how the run ended. A preemption's ``SystemExit`` ends the run with exit
+status 0 (the checkpointer's ``preemption_exit_code``), as a real loop's would.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import sys
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _dist_workers import _init  # noqa: E402
+from _dist_workers import _init, run_worker  # noqa: E402
 from _signal_util import signal_from_a_thread_once_main_sleeps  # noqa: E402
 
 from dcp_datastates import DataStatesWriter  # noqa: E402
@@ -126,13 +127,11 @@ def _settings() -> dict[str, Any]:
     }
 
 
-def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None:
-    assert scenario == "train", scenario
+def _train(rank: int, world: int, port: int, workdir: Path) -> dict[str, Any]:
     cfg = _settings()
     if world > 1:
         _init(rank, world, port)
-    report: dict[str, Any] = {"ok": False, "digests": {}, "ended": "running", "raised": {}}
-    report_path = workdir / f"rank{rank}.json"
+    report: dict[str, Any] = {"digests": {}, "ended": "running", "raised": {}}
     model = Model()
     app = App(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     root = workdir / "ckpt"
@@ -181,22 +180,24 @@ def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None
                 if rank == 0:
                     (root / "latest" / "x").unlink()
                     (root / "latest").rmdir()
-            except SystemExit:
+            except SystemExit:  # the final checkpoint is committed: the run ends here (exit 0)
                 report["ended"] = f"preempted {step}"
                 say(f"preempted {step}")
-                raise
+                break
+        else:
+            report["ended"] = "finished"
         ck.close()
-        report["ended"] = "finished"
-        report["ok"] = True
-    except SystemExit:
-        report["ok"] = True
-        ck.close()
-        raise
     finally:
-        report_path.write_text(json.dumps(report))
         if world > 1:
             dist.destroy_process_group()
+    return report
+
+
+def _scenario(scenario: str, rank: int, world: int, port: int, workdir: Path) -> dict[str, Any]:
+    if scenario != "train":
+        raise ValueError(f"unknown scenario {scenario!r}")
+    return _train(rank, world, port, workdir)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
+    sys.exit(run_worker(sys.argv[1:], _scenario))

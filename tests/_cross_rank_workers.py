@@ -1,6 +1,7 @@
 """Worker processes for failures that cross ranks and for DCP's PROCESS executor with DTensors.
 
-``python _cross_rank_workers.py SCENARIO RANK WORLD PORT DIR`` (run through ``launch_ranks``):
+``python _cross_rank_workers.py SCENARIO RANK WORLD PORT DIR`` (run through
+``_dist_workers.launch(script=__file__)``):
 
     errors-MODE      rank 1's writer fails each save with one public error type after another
                      (MODE: ``ours`` for ``dcp_datastates.async_save``, ``dcp`` for
@@ -48,12 +49,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _dist_workers import (  # noqa: E402
     FUTURE_TIMEOUT_S,
-    RankResult,
     _init,
     _mutate,
     _rank_state,
     exit_without_teardown,
-    launch,
     run_worker,
 )
 
@@ -556,13 +555,6 @@ def _replayed(rank: int, world_size: int, port: int, workdir: Path) -> dict[str,
         writer.close()
         dist.destroy_process_group()
     return report
-
-
-def launch_ranks(
-    scenario: str, workdir: Path, *, world_size: int = 2, timeout: float = 90.0
-) -> list[RankResult]:
-    """Run ``scenario`` of this module on ``world_size`` fresh gloo processes."""
-    return launch(scenario, workdir, world_size=world_size, timeout=timeout, script=__file__)
 
 
 def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:

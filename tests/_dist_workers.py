@@ -128,13 +128,33 @@ def check_all_ok(results: list[RankResult]) -> None:
 
 
 # -- workers -----------------------------------------------------------------------------------
-def _init(rank: int, world_size: int, port: int) -> None:
-    import torch.distributed as dist
-
+def rendezvous_env(rank: int, world_size: int, port: int) -> None:
+    """The environment ``init_process_group`` reads (``env://``), for this worker's rank."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+
+
+def _init(rank: int, world_size: int, port: int, *, backend: str = "gloo", **kwargs: Any) -> None:
+    """Join the job's process group on 127.0.0.1 (``kwargs`` go to ``init_process_group``)."""
+    import torch.distributed as dist
+
+    rendezvous_env(rank, world_size, port)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60), **kwargs
+    )
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world_size: int, port: int, **kwargs: Any) -> Iterator[None]:
+    """:func:`_init` for the block, and the group destroyed when it ends, however it ends."""
+    import torch.distributed as dist
+
+    _init(rank, world_size, port, **kwargs)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _rank_state(world_size: int) -> dict[str, Any]:

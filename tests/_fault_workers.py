@@ -32,11 +32,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _dist_workers import (  # noqa: E402
-    RankResult,
     _failing_writer_class,
     _init,
     exit_without_teardown,
-    launch,
     run_worker,
 )
 from _faults_util import BOUNDED_S, apply_step, base_state  # noqa: E402
@@ -133,13 +131,6 @@ def _rank_fails(failing: int, rank: int, world_size: int, port: int, workdir: Pa
 
 
 # -- launcher (runs in pytest) -------------------------------------------------------------------
-def launch_ranks(
-    scenario: str, workdir: Path, *, world_size: int = 2, timeout: float = 90.0
-) -> list[RankResult]:
-    """Run ``scenario`` of this module on ``world_size`` fresh gloo processes."""
-    return launch(scenario, workdir, world_size=world_size, timeout=timeout, script=__file__)
-
-
 def start_crash_worker(run_dir: Path, first_step: int) -> subprocess.Popen:
     log = open(run_dir / f"worker-{first_step}.log", "ab")  # noqa: SIM115 - the child owns it
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")

@@ -1,7 +1,8 @@
 """Runs ``examples/fsdp2_train.py`` as one rank under ``_dist_workers.launch``.
 
 ``python _fsdp2_workers.py run RANK WORLD PORT DIR``: the example's arguments come from the
-``FSDP2_ARGS`` environment variable (a JSON list); its report lands in ``DIR/rank{RANK}.json``.
+``FSDP2_ARGS`` environment variable (a JSON list); its report lands in ``DIR/rank{RANK}.json``
+(``_dist_workers.run_worker``).
 """
 
 from __future__ import annotations
@@ -10,22 +11,21 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
 import fsdp2_train  # noqa: E402
+from _dist_workers import rendezvous_env, run_worker  # noqa: E402
 
 
-def main(scenario: str, rank: int, world: int, port: int, workdir: Path) -> None:
-    assert scenario == "run", scenario
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
-    )
-    report = fsdp2_train.main(json.loads(os.environ["FSDP2_ARGS"]))
-    report["ok"] = True
-    (workdir / f"rank{rank}.json").write_text(json.dumps(report))
+def _scenario(scenario: str, rank: int, world: int, port: int, workdir: Path) -> dict[str, Any]:
+    if scenario != "run":
+        raise ValueError(f"unknown scenario {scenario!r}")
+    rendezvous_env(rank, world, port)  # the example joins its process group itself
+    return fsdp2_train.main(json.loads(os.environ["FSDP2_ARGS"]))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
+    sys.exit(run_worker(sys.argv[1:], _scenario))

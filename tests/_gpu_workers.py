@@ -1,20 +1,21 @@
 """GPU worker processes (``python _gpu_workers.py SCENARIO RANK WORLD PORT DIR``), run through
 ``_dist_workers.launch(script=__file__)``: each rank uses its own GPU and a
-``cpu:gloo,cuda:nccl`` process group, and reports what it saw in ``DIR/rank{RANK}.json``."""
+``cpu:gloo,cuda:nccl`` process group, and reports what it saw in ``DIR/rank{RANK}.json``
+(``_dist_workers.run_worker``)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _dist_workers import exit_without_teardown, process_group, run_worker  # noqa: E402
 
 TIMEOUT_S = 60.0
 
@@ -60,34 +61,13 @@ def dtensor_nccl(rank: int, world: int, workdir: Path) -> dict[str, Any]:
 SCENARIOS = {"dtensor_nccl": dtensor_nccl}
 
 
-def main(argv: list[str]) -> int:
-    scenario, rank, world, port, workdir = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4]
-    report: dict[str, Any] = {"ok": False}
-    try:
-        torch.cuda.set_device(rank)
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world)
-        )
-        dist.init_process_group(
-            "cpu:gloo,cuda:nccl",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=TIMEOUT_S),
-            device_id=torch.device("cuda", rank),
-        )
-        report.update(SCENARIOS[scenario](rank, world, Path(workdir)))
-        report["ok"] = True
-    except BaseException:
-        report["error"] = traceback.format_exc()
-    finally:
-        (Path(workdir) / f"rank{rank}.json").write_text(json.dumps(report))
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0 if report["ok"] else 1
+def _scenario(scenario: str, rank: int, world: int, port: int, workdir: Path) -> dict[str, Any]:
+    torch.cuda.set_device(rank)
+    with process_group(
+        rank, world, port, backend="cpu:gloo,cuda:nccl", device_id=torch.device("cuda", rank)
+    ):
+        return SCENARIOS[scenario](rank, world, workdir)
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # see _dist_workers.py: torch's teardown threads may abort a clean exit
+    exit_without_teardown(run_worker(sys.argv[1:], _scenario))

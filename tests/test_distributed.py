@@ -26,6 +26,8 @@ from dcp_datastates.format import (
     manifest_key,
 )
 
+CROSS_RANK_WORKERS = str(Path(__file__).with_name("_cross_rank_workers.py"))
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
 
 #: sync ``dcp.save``; ``dcp.async_save`` with our writer; our ``async_save`` (with a path, and
@@ -167,9 +169,8 @@ def test_replayed_saves_on_two_ranks_reuse_their_write_items_only_where_they_hol
     that gives a tensor another shape of the same bytes is planned again on every rank. Every
     checkpoint loads back as the state was at the call, through dcp_datastates.async_save and
     dcp.async_save alike."""
-    from _cross_rank_workers import launch_ranks
 
-    results = launch_ranks("replayed", tmp_path, timeout=90)
+    results = launch("replayed", tmp_path, timeout=90, script=CROSS_RANK_WORKERS)
     check_all_ok(results)
     for r in results:
         assert r.report["differs"] == [], f"rank {r.rank}"

@@ -13,11 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from _cross_rank_workers import CAUSE, UserProviderError, injected_errors, launch_ranks
-from _dist_workers import check_all_ok
+from _cross_rank_workers import CAUSE, UserProviderError, injected_errors
+from _dist_workers import check_all_ok, launch
 from _faults_util import BOUNDED_S
 
 from dcp_datastates import errors
+
+WORKERS = str(Path(__file__).with_name("_cross_rank_workers.py"))
 
 
 #: Two gloo ranks, through ``dcp_datastates.async_save`` ("ours") and ``dcp.async_save``.
@@ -106,7 +108,7 @@ def test_an_error_that_cannot_be_unpickled_is_made_portable_keeping_its_cause() 
 def test_each_error_kind_on_one_rank_fails_every_rank_naming_that_rank_and_the_cause(
     tmp_path: Path, mode: str
 ) -> None:
-    results = launch_ranks(f"errors-{mode}", tmp_path, timeout=140)
+    results = launch(f"errors-{mode}", tmp_path, timeout=140, script=WORKERS)
     check_all_ok(results)
     for r in results:
         for kind in injected_errors():
@@ -140,7 +142,7 @@ def _rank_1_failed_every_save_then_all_saved(
     """No call raised; every rank's bad save failed at once naming rank 1 and the cause (with
     ``says`` in its message; as ``error_type`` if given), and every rank's next save
     committed."""
-    results = launch_ranks(scenario, tmp_path, timeout=140)
+    results = launch(scenario, tmp_path, timeout=140, script=WORKERS)
     check_all_ok(results)
     for r in results:
         bad, good = r.report["bad"], r.report.get("good")
@@ -180,7 +182,7 @@ def test_a_save_whose_process_group_is_destroyed_before_it_runs_commits_nothing(
     group and saved each rank as rank 0 of one, into the same files; a checkpoint holding one
     rank's state verified OK (a user sweep). Now every rank's save fails, nothing is committed,
     and our own save threads say why."""
-    results = launch_ranks(f"lost-group-{mode}", tmp_path, timeout=140)
+    results = launch(f"lost-group-{mode}", tmp_path, timeout=140, script=WORKERS)
     check_all_ok(results)
     for r in results:
         seen, where = r.report, f"rank {r.rank}"
@@ -203,7 +205,7 @@ def test_ranks_naming_different_checkpoints_are_refused_before_anything_is_writt
     failed naming rank 1's missing file (a user sweep; stock commits a ``.metadata`` naming
     files that are not beside it). The global plan now refuses the save on every rank, naming
     each rank's path, before any file is written; the next save to one path commits."""
-    results = launch_ranks(f"split-path-{mode}", tmp_path, timeout=140)
+    results = launch(f"split-path-{mode}", tmp_path, timeout=140, script=WORKERS)
     check_all_ok(results)
     for r in results:
         split, same, where = r.report["split"], r.report["same"], f"rank {r.rank}"
@@ -225,7 +227,7 @@ def test_plan_caching_survives_a_refused_save_and_saves_to_new_paths(tmp_path: P
     still commit and load back. A save refused for ``overwrite=False`` was refused in the global
     plan, which left DCP's cache half updated: the next save committed a checkpoint that every
     load failed on (``KeyError: big0``)."""
-    results = launch_ranks("cached-plans", tmp_path, timeout=140)
+    results = launch("cached-plans", tmp_path, timeout=140, script=WORKERS)
     check_all_ok(results)
     for r in results:
         refused = r.report["step1"]
@@ -242,7 +244,7 @@ def test_an_in_place_op_through_a_dtensor_after_the_call_fails_the_save(
     """``dt[3].fill_(7.0)`` on a DTensor moves the DTensor's own version counter and leaves its
     local tensor's alone, which was the one checked: the save committed the later value in 7-9
     of 10 saves (a user sweep). Both counters are checked now."""
-    results = launch_ranks(f"dtensor-inplace-{mode}", tmp_path, timeout=140)
+    results = launch(f"dtensor-inplace-{mode}", tmp_path, timeout=140, script=WORKERS)
     check_all_ok(results)
     for r in results:
         seen, where = r.report, f"rank {r.rank}"
@@ -261,7 +263,7 @@ def test_an_in_place_op_through_a_dtensor_fails_a_process_executor_save(tmp_path
     Raised in rank 1's process alone, rank 0's daemon waited in DCP's collectives for rank 1's
     and failed naming no cause once rank 1's process ended (or at the process group's
     timeout, in a job whose rank 1 went on training)."""
-    results = launch_ranks("dtensor-inplace-process", tmp_path, timeout=140)
+    results = launch("dtensor-inplace-process", tmp_path, timeout=140, script=WORKERS)
     check_all_ok(results)
     for r in results:
         seen, where = r.report, f"rank {r.rank}"

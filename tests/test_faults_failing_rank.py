@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _dist_workers import INJECTED, check_all_ok
-from _fault_workers import launch_ranks
+from _dist_workers import INJECTED, check_all_ok, launch
 from _faults_util import BOUNDED_S, base_state
 
 from dcp_datastates import CheckpointNotCommittedError, DataStatesReader
 from dcp_datastates.format import METADATA_NAME
+
+WORKERS = str(Path(__file__).with_name("_fault_workers.py"))
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 def test_one_rank_failing_mid_write_fails_both_in_bounded_time_and_both_recover(
     tmp_path: Path, failing: int
 ) -> None:
-    results = launch_ranks(f"rank-fails-{failing}", tmp_path, timeout=120)
+    results = launch(f"rank-fails-{failing}", tmp_path, timeout=120, script=WORKERS)
     check_all_ok(results)
     for r in results:
         report = r.report

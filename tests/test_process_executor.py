@@ -21,6 +21,8 @@ from _dist_workers import check_all_ok, empty_like_values, full_values, launch
 from dcp_datastates import DataStatesReader
 from dcp_datastates.save.process_staging import shared_bytes
 
+CROSS_RANK_WORKERS = str(Path(__file__).with_name("_cross_rank_workers.py"))
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(60)]
 
 
@@ -62,9 +64,8 @@ def test_process_executor_saves_dtensors_on_two_ranks_and_the_daemon_stays_flat(
     """DTensors staged for the daemon used to crash every rank (SIGSEGV while DCP pickled them),
     and the daemon kept a pool and threads per request. Four saves on two gloo ranks, each
     mutated as soon as staging completes, each loaded back and compared on its rank."""
-    from _cross_rank_workers import launch_ranks
 
-    results = launch_ranks("process-dtensor", tmp_path, timeout=170)
+    results = launch("process-dtensor", tmp_path, timeout=170, script=CROSS_RANK_WORKERS)
     check_all_ok(results)
     for r in results:
         assert r.report["differs"] == [], f"rank {r.rank}: {r.report['differs']}"

@@ -53,6 +53,7 @@ from ..save.api import async_save
 from ..save.compat import STOCK_WRITER_ARGS
 from ..save.writer import DataStatesWriter
 from ..storage.base import LocalStorage
+from . import retention
 
 logger = logging.getLogger(__name__)
 
@@ -290,22 +291,13 @@ class Checkpointer:
     def _purge(self, newest: int) -> None:
         if self.keep_latest_k == 0:
             return
-        committed = [s for s in self.committed_steps() if s <= newest]
-        failed: list[OSError] = []
-        for step in committed[: -self.keep_latest_k]:
-            path = os.path.join(self.root, step_dir_name(step))
-            logger.info("keep_latest_k=%d: deleting checkpoint %s", self.keep_latest_k, path)
-            try:
-                os.unlink(os.path.join(path, METADATA_NAME))  # uncommit first, then the data
-            except OSError as exc:  # the others are still deleted (one stuck step held all)
-                logger.error("keep_latest_k: could not delete checkpoint %s: %s", path, exc)
-                exc.add_note(
-                    f"keep_latest_k={self.keep_latest_k} could not delete {path}; the other "
-                    "old checkpoints were deleted. Remove it by hand (or fix its permissions)."
-                )
-                failed.append(exc)
-                continue
-            shutil.rmtree(path, ignore_errors=True)
+        done = retention.delete_expired(
+            [s for s in self.committed_steps() if s <= newest],
+            self.keep_latest_k,
+            self._delete_step,
+            errors=OSError,  # the others are still deleted (one stuck step held all)
+            on_error=self._on_delete_error,
+        )
         # Older than the newest commit and never committed: no save is in flight when retention
         # runs, so these saves failed or their process died.
         for step, committed in sorted(self._step_dirs().items()):
@@ -313,8 +305,21 @@ class Checkpointer:
                 path = os.path.join(self.root, step_dir_name(step))
                 logger.warning("deleting %s: its save never committed (it failed or died)", path)
                 shutil.rmtree(path, ignore_errors=True)
-        if failed:
-            raise failed[0]
+        if done.failed:
+            raise done.failed[0][1]
+
+    def _delete_step(self, step: int) -> None:
+        path = os.path.join(self.root, step_dir_name(step))
+        logger.info("keep_latest_k=%d: deleting checkpoint %s", self.keep_latest_k, path)
+        retention.delete_checkpoint(LocalStorage(path), missing_ok=False)
+
+    def _on_delete_error(self, step: int, exc: Exception) -> None:
+        path = os.path.join(self.root, step_dir_name(step))
+        logger.error("keep_latest_k: could not delete checkpoint %s: %s", path, exc)
+        exc.add_note(
+            f"keep_latest_k={self.keep_latest_k} could not delete {path}; the other "
+            "old checkpoints were deleted. Remove it by hand (or fix its permissions)."
+        )
 
     # -- loading -------------------------------------------------------------------------------
     def latest_step(self) -> int | None:

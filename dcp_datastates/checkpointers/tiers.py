@@ -32,16 +32,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import hashlib
-import io
 import logging
 import os
-import re
-import shutil
 import threading
 import time
-from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,48 +44,16 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..errors import DataStatesError, WriterUsageError
-from ..format import MANIFEST_NAME, METADATA_NAME
+from ..errors import WriterUsageError
+from ..format import METADATA_NAME
 from ..load.reader import DataStatesReader
-from ..load.safety import load_metadata
 from ..save.api import async_save
 from ..save.writer import DataStatesWriter
-from ..storage.base import LocalStorage, Storage, storage_for
+from .mirror import MirrorError, Superseded, copy_checkpoint, digest, read_all
+from .retention import InUse, delete_checkpoint, delete_expired
+from .tier import Tier
 
 logger = logging.getLogger(__name__)
-
-_STEP = re.compile(r"^step-(\d+)$")
-_COPY_BYTES = 8 << 20
-
-
-class MirrorError(DataStatesError):
-    """Uploading a committed local checkpoint to the remote tier failed after every retry."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Tier:
-    """One place checkpoints live, fastest first in :class:`TieredCheckpointer`.
-
-    Attributes:
-        url: Root directory or URL; each step is ``<url>/step-<n>``.
-        keep: Committed checkpoints kept (the newest ones); ``None`` keeps all.
-        storage_options: fsspec options for a URL (endpoint, credentials, ...).
-    """
-
-    url: str
-    keep: int | None = None
-    storage_options: Mapping[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
-            raise ValueError(f"keep={self.keep!r} must be None or an int of at least 1")
-
-    def path(self, step: int) -> str:
-        return f"{self.url.rstrip('/')}/step-{step}"
-
-    def storage(self, step: int | None = None) -> Storage:
-        where = self.url if step is None else self.path(step)
-        return storage_for(where, self.storage_options)
 
 
 @dataclass
@@ -160,7 +123,7 @@ class TieredCheckpointer:
         self.writer = DataStatesWriter(self.local.url, **writer_options)
         self._uploads = concurrent.futures.ThreadPoolExecutor(1, "datastates-mirror")
         self._lock = threading.Lock()
-        self._busy: Counter[tuple[str, int]] = Counter()  # (tier url, step) being read/uploaded
+        self._in_use = InUse()  # (tier url, step) being read or uploaded
         #: step -> digest of the ``.metadata`` of the save of it committed remotely: a step
         #: saved again (a rollback) is a new save, not mirrored until its own upload commits.
         self._mirrored: dict[int, bytes] = {}
@@ -207,13 +170,11 @@ class TieredCheckpointer:
             if self.rank != 0:
                 handle.remote.set_result(None)  # rank 0 uploads the step all ranks committed
                 return
-            with self._lock:
-                self._busy[(self.local.url, step)] += 1  # protected until uploaded
+            self._protect(self.local, step, 1)  # until uploaded
             try:
                 self._uploads.submit(self._mirror_job, handle, start)
             except RuntimeError as exc:  # closed meanwhile: say so, never drop it silently
-                with self._lock:
-                    self._busy[(self.local.url, step)] -= 1
+                self._protect(self.local, step, -1)
                 err = MirrorError(f"step {step} was not uploaded: the checkpointer is closed")
                 err.__cause__ = exc
                 handle.remote.set_exception(err)
@@ -233,8 +194,7 @@ class TieredCheckpointer:
             handle.remote_s = time.monotonic() - start
             handle.remote.set_result(url)
         finally:
-            with self._lock:
-                self._busy[(self.local.url, handle.step)] -= 1
+            self._protect(self.local, handle.step, -1)
         self.retain(self.remote)
         self.retain(self.local)
 
@@ -248,8 +208,8 @@ class TieredCheckpointer:
         last: BaseException | None = None
         for attempt in range(self.upload_attempts):
             try:
-                blob = self._copy(step)
-            except _Superseded:
+                blob = copy_checkpoint(self.local.storage(step), self.remote.storage(step))
+            except Superseded:
                 raise MirrorError(
                     f"step {step} was saved again at {self.local.path(step)} while it was being "
                     f"uploaded: {self.remote.path(step)} is left uncommitted and the newer "
@@ -269,7 +229,7 @@ class TieredCheckpointer:
                     time.sleep(min(5.0, 0.2 * 2**attempt))
                 continue
             with self._lock:
-                self._mirrored[step] = _digest(blob)
+                self._mirrored[step] = digest(blob)
                 self.failed_uploads.pop(step, None)
             logger.info("step %d committed at %s", step, self.remote.path(step))
             return self.remote.path(step)
@@ -284,41 +244,10 @@ class TieredCheckpointer:
         logger.error("%s", err)
         raise err
 
-    def _copy(self, step: int) -> bytes:
-        """Upload committed local ``step``; returns the ``.metadata`` committed remotely."""
-        source = self.local.storage(step)
-        target = self.remote.storage(step)
-        metadata_blob = _read(source, METADATA_NAME)
-        metadata = load_metadata(io.BytesIO(metadata_blob), source.describe(METADATA_NAME))
-        files = sorted({info.relative_path for info in metadata.storage_data.values()})
-        target.makedirs()
-        if target.exists(METADATA_NAME):  # an earlier copy: uncommit before replacing data
-            target.remove(METADATA_NAME)
-        sizes = {}
-        for name in files:
-            sizes[name] = _copy_file(source, target, name)
-        target.check_sizes(sizes)
-        manifest = _read(source, MANIFEST_NAME) if source.exists(MANIFEST_NAME) else None
-        # A save of the same step overwrites the local files while they are read: it removes
-        # the local .metadata before writing any data (and commits one of its own, with a new
-        # save id, after), so the same .metadata now means the bytes copied are all its own (a
-        # user sweep: the remote committed a mix of two saves). The remote stays uncommitted.
-        if not source.exists(METADATA_NAME) or _read(source, METADATA_NAME) != metadata_blob:
-            raise _Superseded(step)
-        if manifest is not None:
-            target.put_atomic(MANIFEST_NAME, manifest, sync=True)
-        target.put_atomic(METADATA_NAME, metadata_blob, sync=True)
-        return metadata_blob
-
     # -- finding and loading -------------------------------------------------------------------
     def committed_steps(self, tier: Tier) -> list[int]:
         """Steps with a committed checkpoint in ``tier``, oldest first (listed fresh)."""
-        steps = []
-        for name in tier.storage().list_names():
-            match = _STEP.match(name)
-            if match and tier.storage(int(match.group(1))).exists(METADATA_NAME):
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        return tier.committed_steps()
 
     def latest(self) -> tuple[int, Tier] | None:
         """The newest step committed in any tier, and the fastest tier holding it. A tier that
@@ -428,8 +357,7 @@ class TieredCheckpointer:
         )
 
     def _protect(self, tier: Tier, step: int, by: int) -> None:
-        with self._lock:
-            self._busy[(tier.url, step)] += by
+        self._in_use.add((tier.url, step), by)
 
     # -- retention -----------------------------------------------------------------------------
     def retain(self, tier: Tier) -> list[int]:
@@ -443,23 +371,16 @@ class TieredCheckpointer:
         except Exception:
             logger.exception("listing %s for retention failed; nothing deleted", tier.url)
             return []
-        deleted = []
-        for step in steps[: max(0, len(steps) - tier.keep)]:  # never the newest: keep >= 1
-            if tier is self.local and not self._is_mirrored(step):
-                continue
-            with self._lock:
-                if self._busy[(tier.url, step)] > 0:
-                    continue
-                self._busy[(tier.url, step)] += 1
-            try:
-                _delete(tier, step)
-                deleted.append(step)
-            except Exception:
-                logger.exception("deleting %s failed", tier.path(step))
-            finally:
-                with self._lock:
-                    self._busy[(tier.url, step)] -= 1
-        return deleted
+        return delete_expired(
+            steps,
+            tier.keep,
+            lambda step: _delete(tier, step),
+            needed=(lambda step: not self._is_mirrored(step)) if tier is self.local else None,
+            claim=lambda step: self._in_use.claim((tier.url, step)),
+            on_error=lambda step, exc: logger.error(
+                "deleting %s failed", tier.path(step), exc_info=exc
+            ),
+        ).deleted
 
     def _check_coordinator(self, what: str) -> None:
         if self.rank != 0:
@@ -477,23 +398,23 @@ class TieredCheckpointer:
         one's upload does not count for it (a user sweep: a rolled-back step whose new upload
         failed was deleted locally, the only copy of that save)."""
         try:
-            local = _read(self.local.storage(step), METADATA_NAME)
+            local = read_all(self.local.storage(step), METADATA_NAME)
         except Exception:
             logger.warning("could not read %s; it counts as not uploaded", self.local.path(step))
             return False
-        digest = _digest(local)
+        saved = digest(local)
         with self._lock:
-            if self._mirrored.get(step) == digest:
+            if self._mirrored.get(step) == saved:
                 return True
         try:
             remote = self.remote.storage(step)
-            same = remote.exists(METADATA_NAME) and _read(remote, METADATA_NAME) == local
+            same = remote.exists(METADATA_NAME) and read_all(remote, METADATA_NAME) == local
         except Exception:
             logger.warning("could not compare step %d with %s", step, self.remote.path(step))
             return False
         if same:
             with self._lock:
-                self._mirrored[step] = digest
+                self._mirrored[step] = saved
         return same
 
     def local_only(self) -> list[int]:
@@ -515,37 +436,8 @@ class TieredCheckpointer:
         self.writer.close()
 
 
-class _Superseded(Exception):
-    """The local checkpoint being uploaded was overwritten by a save of the same step."""
-
-
-def _digest(metadata_blob: bytes) -> bytes:
-    """Identifies one save of a step: its ``.metadata`` holds the save's own id."""
-    return hashlib.blake2b(metadata_blob, digest_size=16).digest()
-
-
-def _read(storage: Storage, name: str) -> bytes:
-    with storage.open_read(name) as f:
-        return f.read()
-
-
-def _copy_file(source: Storage, target: Storage, name: str) -> int:
-    copied = 0
-    with source.open_read(name) as src, target.open_write(name, sync=True) as dst:
-        while chunk := src.read(_COPY_BYTES):
-            dst.write(chunk)
-            copied += len(chunk)
-    return copied
-
-
 def _delete(tier: Tier, step: int) -> None:
-    storage = tier.storage(step)
-    storage.remove(METADATA_NAME)  # uncommitted first: a crash mid-delete leaves no torn checkpoint
-    if isinstance(storage, LocalStorage):
-        shutil.rmtree(storage.root, ignore_errors=True)
-    else:
-        for name in storage.list_names():
-            storage.remove(name)
+    delete_checkpoint(tier.storage(step))  # uncommitted first: no torn checkpoint on a crash
     logger.info("retention: deleted %s", tier.path(step))
 
 
