@@ -6,6 +6,8 @@ step may wait), typed state providers and a streaming flush, writing files stock
 
 from . import _moved
 from .checkpointers.checkpointer import Checkpointer
+from .checkpointers.tier import Tier
+from .checkpointers.tiers import TieredCheckpointer
 from .errors import (
     CheckpointNotCommittedError,
     CheckpointSaveError,
@@ -56,6 +58,8 @@ __all__ = [
     "SnapshotMutationError",
     "StateProvider",
     "StorageWriteError",
+    "Tier",
+    "TieredCheckpointer",
     "UnsafeCheckpointError",
     "WriterClosedError",
     "WriterOptions",

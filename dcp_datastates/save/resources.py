@@ -74,12 +74,7 @@ class Resources:
         self.flushes: set[Future[Any]] = set()  # running flushes, which close() waits for
 
     def flush(
-        self,
-        session: SnapshotSession,
-        *,
-        storage: Storage,
-        items: Sequence[WriteItem],
-        prefix: str,
+        self, session: SnapshotSession, storage: Storage, items: Sequence[WriteItem], prefix: str
     ) -> Future[Any]:
         """Start writing ``items`` of ``session`` (one the runtime let flush) on the flush
         threads, tracked until it resolves."""

@@ -378,7 +378,7 @@ class SnapshotRuntime:
             # waited for itself, and close() for both.
             session.retire()
             return failed
-        result = res.flush(session, storage=storage, items=items, prefix=prefix)
+        result = res.flush(session, storage, items, prefix)
         result.add_done_callback(lambda _f: self._flush_over(session))
         return result
 
