@@ -28,6 +28,8 @@ FORMAT_NAME = "dcp_datastates"
 FORMAT_VERSION = 1
 METADATA_NAME = ".metadata"
 MANIFEST_NAME = ".datastates.json"
+#: In a ``Checkpointer`` root: the newest committed step, as text (the CLI and reader read it).
+LATEST_NAME = "latest"
 DATA_SUFFIX = ".distcp"
 
 

@@ -46,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from .._concurrency import signals as _signals
 from .._concurrency.signals import wait_in_slices
 from ..errors import CheckpointNotCommittedError, CheckpointSaveError, unknown_options
-from ..format import METADATA_NAME
+from ..format import LATEST_NAME, METADATA_NAME
 from ..load.reader import DataStatesReader
 from ..options import WriterOptions
 from ..save.api import async_save
@@ -57,7 +57,6 @@ from . import retention
 
 logger = logging.getLogger(__name__)
 
-LATEST_NAME = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 #: Exit status when a second signal or the deadline ends the process before the final commit.
 ABORT_EXIT_CODE = 143

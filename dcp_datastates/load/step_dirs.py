@@ -11,13 +11,11 @@ from __future__ import annotations
 import contextlib
 import re
 
-from ..format import METADATA_NAME
+from ..format import LATEST_NAME, METADATA_NAME
 from ..storage.base import Storage
 
 #: Step directories of a ``Checkpointer`` root (``step_00000012``) or of a tier (``step-12``).
 STEP_DIR = re.compile(r"^step[_-](\d+)$")
-#: Where a ``Checkpointer`` root keeps its newest committed step (``checkpointer.LATEST_NAME``).
-LATEST_NAME = "latest"
 
 
 def checkpoints_inside(storage: Storage, names: list[str], *, verb: str) -> str:
