@@ -65,20 +65,19 @@ class SnapshotMutationError(DataStatesError):
         self, *, fqn: str, rank: int, before: int, after: int, unversioned: bool = False
     ) -> None:
         how = (
-            "its bytes changed without a version bump: a module's forward updating a buffer, "
-            "such as BatchNorm's running statistics, with guard_forward off, or a write "
-            "through .data, .numpy() or a torch.from_numpy view, which the optimizer guard "
-            "cannot hold back; or an in-place op still running as its copy ended (its "
-            "version counter moves when it returns)"
+            "its bytes changed without a version bump: a write through NumPy (.numpy(), a "
+            "torch.from_numpy array), or with copy_on_write off a write through .data or a "
+            "module's forward updating a buffer with guard_forward off"
             if unversioned
             else f"version {before} -> {after}"
         )
         super().__init__(
             f"rank {rank}: tensor {fqn!r} was modified in place while its snapshot was in flight "
-            f"({how}); the checkpoint was not committed. Keep guard_optimizer_step and "
-            "guard_forward on, change tensors through ordinary in-place ops; state that changes "
-            "before optimizer.step() outside a forward belongs in a module's buffers (or wait "
-            "for staging_completion before changing it)."
+            f"({how}); the checkpoint was not committed. Copy-on-write sees writes made by "
+            "torch operators on the thread that called the save; a write from another thread, "
+            "through NumPy or inside a torch.compile graph is not seen: wait for the snapshot "
+            "first (writer.synchronize_staging(), or the save's staging_completion), and keep "
+            "copy_on_write, guard_optimizer_step and guard_forward on."
         )
         self.fqn = fqn
         self.rank = rank

@@ -46,6 +46,11 @@ class WriterOptions:
         guard_forward: While a snapshot is in flight, the first forward of a module copies that
             module's buffers (BatchNorm statistics, EMA buffers, counters) that are not snapshotted
             yet, before forward can update them (see ``snapshot/forward_gate.py``).
+        copy_on_write: While a snapshot is in flight, an in-place write on the thread that called
+            the save (forward, ``torch.no_grad()`` updates, ``load_state_dict``, ``.data``, views)
+            to a tensor not copied yet copies that tensor first, on its own device, and the
+            snapshot takes that copy (``snapshot/cow.py``). Costs a Python call per operator on
+            that thread while the snapshot is in flight. Off, such a write fails the save.
         eager_copy_bytes: Tensors of at most this many bytes are copied during ``stage()`` itself,
             so any later in-place change (a step counter) leaves the checkpoint alone. 0 turns it
             off.
@@ -92,6 +97,7 @@ class WriterOptions:
     max_pool_fraction: float = 0.25
     guard_optimizer_step: bool = True
     guard_forward: bool = True
+    copy_on_write: bool = True
     eager_copy_bytes: int = 4096
     guard_on_device: bool = True
     sync_files: bool = True
@@ -138,6 +144,7 @@ class WriterOptions:
         for name in (
             "guard_optimizer_step",
             "guard_forward",
+            "copy_on_write",
             "guard_on_device",
             "sync_files",
             "direct_writes",

@@ -31,6 +31,9 @@ class SaveStats:
         forward_frozen_bytes: Bytes of module buffers the forward gate copied at the first forward
             after the call, before forward could update them.
         forward_blocked_s: Time forward spent in the forward gate for this save.
+        cow_bytes: Bytes copy-on-write copied before an in-place write reached a tensor this
+            save had not copied yet (``copy_on_write``).
+        cow_blocked_s: Time those writes waited for their copies.
         live_bytes: Bytes the flush read from the live tensors a step at a time into its
             files' buffers and wrote from there, never copied into the pool (``live_flush``).
         error: ``None`` for a save that committed; for a failed save, its error as
@@ -56,6 +59,8 @@ class SaveStats:
     eager_bytes: int = 0
     forward_frozen_bytes: int = 0
     forward_blocked_s: float = 0.0
+    cow_bytes: int = 0
+    cow_blocked_s: float = 0.0
     live_bytes: int = 0
     error: str | None = None
 

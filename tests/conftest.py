@@ -23,6 +23,7 @@ from dcp_datastates import (
 )
 from dcp_datastates.format import DATA_SUFFIX
 from dcp_datastates.providers.tensor import TensorProvider
+from dcp_datastates.snapshot import cow
 
 #: Upper bound on any wait for a background event; a test that hits it has hung, not raced.
 EVENT_TIMEOUT_S = 20.0
@@ -49,6 +50,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             "benchmark scratch), or point TMPDIR or --basetemp at a disk with room.",
             returncode=3,
         )
+
+
+@pytest.fixture(autouse=True)
+def _copy_on_write_settles() -> Iterator[None]:
+    """A test's copy-on-write mode leaves the main thread with the test (in training, the next
+    forward or optimizer step pops it): the next test starts with no mode on the stack."""
+    yield
+    cow.settle()
 
 
 @pytest.fixture

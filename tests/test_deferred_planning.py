@@ -9,7 +9,9 @@ subclassing the real staging).
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +82,44 @@ def test_planning_runs_off_the_callers_thread(tmp_path: Path, gated: Any) -> Non
     assert torch.equal(load_like(tmp_path / "ckpt", state, "datastates")["w"], state["w"])
 
 
-def test_a_write_between_stage_and_planning_fails_the_save(tmp_path: Path, gated: Any) -> None:
+def test_a_write_between_stage_and_planning_waits_for_planning_and_commits_the_call_state(
+    tmp_path: Path, gated: Any
+) -> None:
     writer = gated(guard_optimizer_step=False)
+    weight = torch.ones(4096)  # above eager_copy_bytes: not copied by stage()
+    response = async_save({"w": weight}, writer, no_dist=True)
+    # Copy-on-write cannot know yet whether the planning thread will enter `w`: the write
+    # waits for planning (released here from another thread), then copies `w` first.
+    caller = threading.get_ident()
+
+    def release_once_the_write_waits() -> None:
+        deadline = time.monotonic() + EVENT_TIMEOUT_S
+        while time.monotonic() < deadline and not _waits_in(caller, "wait_planned"):
+            threading.Event().wait(0.001)
+        writer.gate.set()
+
+    threading.Thread(target=release_once_the_write_waits, daemon=True).start()
+    weight.add_(1.0)
+    assert writer.gate.is_set()
+
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert torch.equal(load_like(tmp_path / "ckpt", {"w": weight}, "stock")["w"], torch.ones(4096))
+    assert writer.last_stats.cow_bytes == weight.nbytes
+
+
+def _waits_in(thread_id: int, function: str) -> bool:
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_without_copy_on_write_a_write_between_stage_and_planning_fails_the_save(
+    tmp_path: Path, gated: Any
+) -> None:
+    writer = gated(guard_optimizer_step=False, copy_on_write=False)
     weight = torch.ones(4096)  # above eager_copy_bytes: not copied by stage()
     response = async_save({"w": weight}, writer, no_dist=True)
     weight.add_(1.0)  # before planning: only the version recorded by stage() can tell

@@ -50,7 +50,9 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 def test_guard_off_a_step_during_a_long_snapshot_fails_the_save(tmp_path: Path, make_writer):
     model, optimizer, state = _training()
-    writer = make_writer(tmp_path / "unused", guard_optimizer_step=False, **LONG_SNAPSHOT)
+    writer = make_writer(
+        tmp_path / "unused", guard_optimizer_step=False, copy_on_write=False, **LONG_SNAPSHOT
+    )
 
     response = async_save(state, writer, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     assert not response.staging_completion.done(), "the snapshot was not long enough to race"
@@ -97,13 +99,15 @@ def test_guard_on_steps_wait_and_the_checkpoint_holds_the_pre_step_state(
     assert_same_state(before, loaded)
 
 
-def test_guard_on_an_in_place_change_outside_the_optimizer_still_fails_the_save(
+def test_without_copy_on_write_an_in_place_change_outside_the_optimizer_fails_the_save(
     tmp_path: Path, make_writer
 ) -> None:
     _, _, state = _training()
     # Small tensors are copied during stage() (eager_copy_bytes): turn that off so the bias is
     # still waiting for its copy when it changes.
-    writer = make_writer(tmp_path / "unused", eager_copy_bytes=0, **LONG_SNAPSHOT)
+    writer = make_writer(
+        tmp_path / "unused", eager_copy_bytes=0, copy_on_write=False, **LONG_SNAPSHOT
+    )
 
     response = async_save(state, writer, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     assert not response.staging_completion.done(), "the snapshot was not long enough to race"

@@ -131,7 +131,7 @@ def test_without_the_guard_an_in_flight_mutation_fails_the_save_naming_the_tenso
 ) -> None:
     gate, providers = gated_parameters
     weight, optimizer, state = training_state()
-    writer = make_writer(tmp_path, guard_optimizer_step=False, **SMALL_POOL)
+    writer = make_writer(tmp_path, guard_optimizer_step=False, copy_on_write=False, **SMALL_POOL)
 
     response = async_save(state, writer, no_dist=True)
     optimizer.step()  # not held back: the parameter's copy has not run yet
@@ -152,7 +152,7 @@ def test_without_the_guard_dcp_async_save_reports_the_mutation_through_its_futur
 ) -> None:
     gate, _ = gated_parameters
     weight, _, state = training_state()
-    writer = make_writer(tmp_path, guard_optimizer_step=False)
+    writer = make_writer(tmp_path, guard_optimizer_step=False, copy_on_write=False)
 
     future = dcp.async_save(state, storage_writer=writer, no_dist=True)
     with torch.no_grad():
@@ -172,7 +172,9 @@ def test_a_writer_recovers_after_a_failed_save(
 ) -> None:
     gate, _ = gated_parameters
     weight, optimizer, state = training_state()
-    writer = make_writer(tmp_path / "first", guard_optimizer_step=False, **SMALL_POOL)
+    writer = make_writer(
+        tmp_path / "first", guard_optimizer_step=False, copy_on_write=False, **SMALL_POOL
+    )
     failed = async_save(state, writer, no_dist=True)
     optimizer.step()
     gate.set()

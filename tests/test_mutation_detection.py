@@ -51,7 +51,9 @@ def gate(registered_providers: Any) -> Iterator[threading.Event]:
 def _save_while(tmp_path: Path, make_writer: Any, gate: threading.Event, weight: Any, write: Any):
     """Stage ``{"w": weight}``, run ``write()`` before the copy, then let the copy run."""
     state = {"w": weight}
-    response = async_save(state, make_writer(tmp_path, guard_optimizer_step=False), no_dist=True)
+    response = async_save(
+        state, make_writer(tmp_path, guard_optimizer_step=False, copy_on_write=False), no_dist=True
+    )
     write()
     gate.set()
     return state, response
@@ -181,7 +183,9 @@ def test_a_write_after_the_last_part_was_copied_does_not_fail_the_snapshot(
     registered_providers(torch.nn.Parameter, _WrittenRightAfterItsCopy)
     weight = torch.nn.Parameter(torch.randn(N), requires_grad=False)
     at_call = weight.detach().clone()
-    writer = make_writer(tmp_path, guard_optimizer_step=False, eager_copy_bytes=0)
+    writer = make_writer(
+        tmp_path, guard_optimizer_step=False, copy_on_write=False, eager_copy_bytes=0
+    )
     async_save({"w": weight}, writer, no_dist=True).upload_completion.result(EVENT_TIMEOUT_S)
     assert not torch.equal(weight.detach(), at_call)  # written after the copy
     loaded = load_like(tmp_path, {"w": torch.zeros(N)}, "stock")
@@ -203,7 +207,7 @@ def test_an_in_place_op_still_running_when_planning_starts_fails_the_save(
     each range it writes in parallel (``probe_offsets``) from the first on is new, the version
     counter not moved yet. The samples ``stage()`` read find it."""
     weight = torch.randn(BIG)
-    writer = make_writer(tmp_path / "unused", guard_optimizer_step=False)
+    writer = make_writer(tmp_path / "unused", guard_optimizer_step=False, copy_on_write=False)
     for i in range(saves - 1):  # earlier saves teach the writer the layout it then replays
         async_save({"w": weight}, writer, checkpoint_id=tmp_path / f"s{i}", no_dist=True)
         writer.staging_future.result(EVENT_TIMEOUT_S)
@@ -243,7 +247,7 @@ def test_an_in_place_op_overlapping_the_copy_is_found_by_reading_the_live_sample
 ) -> None:
     registered_providers(torch.nn.Parameter, _OpStartsDuringItsCopy)
     weight = torch.nn.Parameter(torch.randn(BIG), requires_grad=False)
-    writer = make_writer(tmp_path, guard_optimizer_step=False)
+    writer = make_writer(tmp_path, guard_optimizer_step=False, copy_on_write=False)
     response = async_save({"w": weight}, writer, no_dist=True)
     with pytest.raises(CheckpointSaveError) as raised:
         response.upload_completion.result(timeout=EVENT_TIMEOUT_S)

@@ -5,5 +5,6 @@ parallel on ``read_pool``, through ``bounce`` buffers where the target cannot ta
 ``checksum`` (crc32c as bytes arrive). ``locate`` finds data inside stock records,
 ``object_records`` loads small pickled records fast, ``safety`` refuses what it must not unpickle,
 ``step_dirs`` names the step to open in a directory of checkpoints (the CLI's answer too).
-May import: ``storage`` and the leaves. Never ``save``.
+May import: ``snapshot.cow`` (a load into a tensor whose save is in flight copies it first),
+``storage`` and the leaves. Never ``save``.
 """

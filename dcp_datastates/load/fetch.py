@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ..errors import ChecksumMismatchError
 from ..format import RecordInfo, data_start
+from ..snapshot import cow as _cow
 from ..storage.base import RangedFile
 from .bounce import BounceBuffers
 from .checksum import CHECK_PIECE, crc32c_combine, read_checked
@@ -215,6 +216,7 @@ class Fetch:
             tail = bytearray(info.offset + info.length - info.data_offset - info.data_length)
         device_target = self._direct_target(record, layout, device="cuda")
         if device_target is not None:
+            _cow.before_write([device_target], "a load")  # a save of it in flight copies it first
             runner.submit(
                 _bind(self._fill_device, record, device_target, data_at, head, tail), urgent=True
             )
@@ -224,7 +226,9 @@ class Fetch:
             # The reads below write its bytes behind torch's back: bump its version counter, as
             # the copy_ of stock's reader does, before they start. Otherwise autograd would use
             # the new values silently, and an async save of this tensor in flight would not see
-            # the write (its snapshot checks the version counter).
+            # the write (its snapshot checks the version counter). A save in flight that has
+            # not copied it yet copies it now (copy-on-write), as it would for stock's copy_.
+            _cow.before_write([target], "a load")
             increment_version(target)
         data = target if target is not None else self._bounce(nbytes)
         data_bytes = memoryview(_bytes_of(data).numpy()) if nbytes else memoryview(b"")

@@ -218,13 +218,12 @@ class TensorProvider:
         # The live tensor read again after the copy: its version counter, and for a host copy
         # its sampled bytes, which an in-place op still running has changed.
         changed = verified and self._contiguous and self._live_changed(live)
-        if src is live and (changed or self._now(live) != self._version):
-            # A freeze may have run while we copied, and the live tensor changed after it: the
-            # frozen copy holds the staged bytes.
-            frozen = self._frozen
-            if frozen is not None:
-                self._copy(frozen, dst, start, stop)
-                changed = False
+        if src is live and self._frozen is not None:
+            # A freeze ran while we copied: a write may be under way now (copy-on-write lets it
+            # go once the freeze returns, before its version counter moves), and the frozen
+            # copy holds the staged bytes.
+            self._copy(self._frozen, dst, start, stop)
+            changed = False
         if self._contiguous:
             self._check_probes(dst.data_ptr(), start, stop)
         if changed:

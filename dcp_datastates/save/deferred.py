@@ -65,8 +65,9 @@ class DeferredPlanning:
     """The planning thread of one runtime and what it keeps between saves; ``guard_forward``:
     the runtime's option (module forwards wait for a session's copies)."""
 
-    def __init__(self, *, guard_forward: bool) -> None:
+    def __init__(self, *, guard_forward: bool, copy_on_write: bool = False) -> None:
         self._guard_forward = guard_forward
+        self._copy_on_write = copy_on_write
         self._lock = threading.Lock()
         self._closed = False
         self._planner: JobThreads | None = None  # plans what stage() recorded
@@ -146,8 +147,8 @@ class DeferredPlanning:
                 return
             if not planned:
                 return
-            if self._guard_forward:
-                _forward_gate.protect(session)
+            if self._guard_forward or self._copy_on_write:
+                _forward_gate.protect(session, forward=self._guard_forward, cow=self._copy_on_write)
             res.scheduler.submit(session)
         finally:
             _forward_gate.release(session)

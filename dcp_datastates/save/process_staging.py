@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import DataStatesError, InvalidStateDictError
 from ..providers.tensor import TensorProvider
+from ..snapshot import cow as _cow
 from ..snapshot import forward_gate as _forward_gate
 from ..snapshot import guard as _guard
 from .planner import check_state_dict
@@ -143,6 +144,8 @@ class _Protected:
         self.staged = staged
         self.forward_frozen_bytes = 0
         self.forward_blocked_s = 0.0
+        self.cow_bytes = 0
+        self.cow_blocked_s = 0.0
 
     def raw_providers(self) -> list[TensorProvider]:
         return [p for p in self.providers if p.nbytes > 0]
@@ -153,6 +156,7 @@ def stage_for_process(
     *,
     guard: bool,
     guard_forward: bool = True,
+    copy_on_write: bool = False,
     eager_copy_bytes: int = 0,
     state_error: Exception | None = None,
     relay: Callable[[Exception], bool] | None = None,
@@ -169,6 +173,7 @@ def stage_for_process(
             state_dict,
             guard=guard,
             guard_forward=guard_forward,
+            copy_on_write=copy_on_write,
             eager_copy_bytes=eager_copy_bytes,
             relay=relay,
         )
@@ -187,6 +192,7 @@ def _stage_for_process(
     *,
     guard: bool,
     guard_forward: bool,
+    copy_on_write: bool,
     eager_copy_bytes: int,
     relay: Callable[[Exception], bool] | None,
 ) -> ProcessStaging:
@@ -236,8 +242,10 @@ def _stage_for_process(
             provider.freeze()
     if guard:
         _guard.guard(staged)
-    if guard_forward:
-        _forward_gate.protect(_Protected(sources, staged))
+    if guard_forward or copy_on_write:
+        _forward_gate.protect(_Protected(sources, staged), forward=guard_forward, cow=copy_on_write)
+    if copy_on_write:
+        _cow.activate()
 
     def run() -> None:
         rank = _rank()

@@ -206,6 +206,8 @@ def _session_figures(save: _Save) -> None:
         stats.optimizer_wait_s = session.optimizer_wait_s
         stats.forward_frozen_bytes = session.forward_frozen_bytes
         stats.forward_blocked_s = session.forward_blocked_s
+        stats.cow_bytes = session.cow_bytes
+        stats.cow_blocked_s = session.cow_blocked_s
         stats.live_bytes = session.live_bytes
     if save.synchronous:
         stats.blocked_s = stats.durable_s

@@ -47,6 +47,7 @@ from .._concurrency.latch import Latch
 from ..errors import SnapshotAbortedError, WriterClosedError
 from ..options import WriterOptions
 from ..providers import StateProvider
+from ..snapshot import cow as _cow
 from ..snapshot import forward_gate as _forward_gate
 from ..snapshot import guard as _guard
 from ..snapshot.pool import HostPool
@@ -90,7 +91,9 @@ class SnapshotRuntime:
         self._live = LiveSessions(self._changed)
         self._resources: Resources | None = None
         #: Plans what ``stage()`` only recorded, on its own thread (``deferred.py``).
-        self._deferred = DeferredPlanning(guard_forward=options.guard_forward)
+        self._deferred = DeferredPlanning(
+            guard_forward=options.guard_forward, copy_on_write=options.copy_on_write
+        )
         self._savers = SaveThreads()  # run dcp_datastates.async_save's saves
         self.closed = False
         #: Pool and threads given back (``close()`` ended, or ``abandon()``): no save may make
@@ -215,11 +218,19 @@ class SnapshotRuntime:
             # On CUDA the step's stream may wait on the copies instead of the host (a fence).
             fence = session.fence_on_device if self.options.guard_on_device else None
             _guard.guard(session.staged, session.add_optimizer_wait, fence, session.stop_live)
-        if self.options.guard_forward:
-            _forward_gate.protect(session)
+        self._watch_writes(session, _forward_gate.protect)
         assert self._resources is not None
         self._resources.scheduler.submit(session)
         self.last_staged = session.staged
+
+    def _watch_writes(self, session: SnapshotSession, enter: Callable[..., None]) -> None:
+        """On the caller's thread: ``session``'s tensors are copied before a module forward
+        or an operator on this thread writes them (``forward_gate``, ``cow``)."""
+        forward, cow = self.options.guard_forward, self.options.copy_on_write
+        if forward or cow:
+            enter(session, forward=forward, cow=cow)
+        if cow:
+            _cow.activate()
 
     def _hand_off(
         self,
@@ -283,8 +294,7 @@ class SnapshotRuntime:
             raise
         if self.options.guard_optimizer_step:
             _guard.guard(session.staged, session.add_optimizer_wait, None, session.stop_live)
-        if self.options.guard_forward:
-            _forward_gate.hold(session)
+        self._watch_writes(session, _forward_gate.hold)
         self.last_staged = session.staged
         planner.submit(
             self._deferred.plan_and_start,

@@ -260,6 +260,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 state_dict,
                 guard=self.options.guard_optimizer_step,
                 guard_forward=self.options.guard_forward,
+                copy_on_write=self.options.copy_on_write,
                 eager_copy_bytes=self.options.eager_copy_bytes,
                 state_error=call.state_error,
                 relay=functools.partial(fails_on_every_rank, call=call),

@@ -35,7 +35,8 @@ from ..providers import _REGISTRY
 from ..providers.tensor import PROBE_AT_CALL_BYTES, probe
 from .device import chosen
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PARAMETER = torch.nn.Parameter
+_PLAIN = (torch.Tensor, _PARAMETER)
 _STRIDED = torch.strided
 _SCALARS = (int, float, bool, str, bytes, complex, type(None))
 
@@ -135,6 +136,13 @@ def capture(state_dict: Mapping[str, Any], *, eager_bytes: int = 0) -> Capture |
     )
 
 
+def alias(param: torch.Tensor) -> torch.Tensor:
+    """A plain tensor over ``param``'s storage now (sharing its version counter): a later
+    ``param.data = other`` (EMA evaluation swapping in the shadow weights with
+    ``state_dict(keep_vars=True)``) gives ``param`` another storage, not the snapshot."""
+    return keep_attributes(param.detach(), param)
+
+
 def keep_attributes(copy: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """``copy`` with ``tensor``'s Python attributes: DCP plans from some (torch 2.14's
     ``CheckpointableTensor`` fields, ``global_shape`` and the shards' offsets and sizes, make
@@ -170,8 +178,11 @@ class _Walker:
                     item = keep_attributes(item.clone(), item)
                     self.eager += nbytes
                     self.private.add(id(item))
-                elif nbytes >= PROBE_AT_CALL_BYTES:
-                    self.probes[id(item)] = probe(item, nbytes)
+                else:
+                    if type(item) is _PARAMETER:
+                        item = alias(item)
+                    if nbytes >= PROBE_AT_CALL_BYTES:
+                        self.probes[id(item)] = probe(item, nbytes)
                 versions[id(item)] = item._version
                 out[key] = item
             elif type(item) is DTensor:

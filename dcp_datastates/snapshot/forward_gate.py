@@ -44,6 +44,11 @@ _handle: Any = None
 #: module forward waits for them, so that it never updates a buffer protect() would freeze.
 _planning: set[Any] = set()
 _released = threading.Condition(_lock)
+#: Sessions held or protected with ``forward=False``: forwards neither wait for their
+#: planning nor freeze their tensors (copy-on-write alone looks them up).
+_unguarded: set[Any] = set()
+#: Sessions held or protected for copy-on-write (``cow.py``), until staged or never planned.
+_cow: set[Any] = set()
 
 
 def _after_fork_in_child() -> None:
@@ -56,33 +61,50 @@ def _after_fork_in_child() -> None:
     _keys.clear()
     _visited.clear()
     _planning.clear()
+    _unguarded.clear()
+    _cow.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def hold(session: Any) -> None:
-    """Until :func:`release`, module forwards wait (for the planning thread to plan and protect
-    ``session``). Call on the training thread, in ``stage()``: it installs the hook there."""
+def hold(session: Any, *, forward: bool = True, cow: bool = False) -> None:
+    """Until :func:`release`, module forwards (``forward``) and copy-on-write (``cow``,
+    :func:`wait_planned`) wait for the planning thread to plan and protect ``session``. Call on
+    the training thread, in ``stage()``: it installs the hook there."""
     global _handle
     with _lock:
         _planning.add(session)
-        if _handle is None:
-            _handle = register_module_forward_pre_hook(_pre_forward)
+        _enter(session, forward, cow)
+
+
+def _enter(session: Any, forward: bool, cow: bool) -> None:
+    # caller holds _lock
+    global _handle
+    if not forward:
+        _unguarded.add(session)
+    if cow:
+        _cow.add(session)
+    if _handle is None and forward:
+        _handle = register_module_forward_pre_hook(_pre_forward)
 
 
 def release(session: Any) -> None:
     """``session`` is planned and protected (or will never be): forwards go on."""
     with _released:
         _planning.discard(session)
+        if session not in _keys:  # not protected: nothing of it is in the index
+            _unguarded.discard(session)
+            _cow.discard(session)
         _released.notify_all()
 
 
-def protect(session: Any) -> None:
-    """Freeze ``session``'s tensors that a forward is about to update, until it is staged.
+def protect(session: Any, *, forward: bool = True, cow: bool = False) -> None:
+    """Enter ``session``'s tensors in the index of storages in flight until it is staged: a
+    forward about to update one freezes it first (``forward``), as does copy-on-write before
+    an operator writes one (``cow``, ``cow.py``).
 
     Call on the training thread (it installs the hook there, where forward runs)."""
-    global _handle
     entries: list[tuple[int, Any]] = []
     for provider in session.raw_providers():
         if getattr(provider, "freeze", None) is None or getattr(provider, "private", False):
@@ -97,8 +119,7 @@ def protect(session: Any) -> None:
             _by_storage.setdefault(key, []).append((session, provider))
         _keys[session] = [key for key, _ in entries]
         _visited.clear()
-        if _handle is None:
-            _handle = register_module_forward_pre_hook(_pre_forward)
+        _enter(session, forward, cow)
     # A weak reference: a future keeps its callbacks after it resolves, and a callback holding
     # the session made each save a reference cycle (session -> future -> callback -> session)
     # that only the cyclic GC freed, with the session's pieces and write items: 5,000 objects
@@ -116,6 +137,8 @@ def _forget_ref(ref: weakref.ref) -> None:
 
 def _forget(session: Any) -> None:
     with _lock:
+        _unguarded.discard(session)
+        _cow.discard(session)
         for key in _keys.pop(session, ()):
             entries = [e for e in _by_storage.get(key, ()) if e[0] is not session]
             if entries:
@@ -126,10 +149,10 @@ def _forget(session: Any) -> None:
 
 def _pre_forward(module: torch.nn.Module, args: Any) -> None:
     global _handle
-    if _planning:
+    if _planning and not _planning <= _unguarded:
         start = time.perf_counter()
         with _released:
-            _released.wait_for(lambda: not _planning)
+            _released.wait_for(lambda: _planning <= _unguarded)
         logger.debug("forward waited %.3fs for snapshot planning", time.perf_counter() - start)
     if not _by_storage:
         # Nothing in flight: leave the hook-free fast path to every later forward. Removing the
@@ -165,6 +188,8 @@ def _freeze_tree(module: torch.nn.Module) -> None:
         if buf.numel() == 0:
             continue
         for session, provider in index.get(storage_key(buf), ()):
+            if session in _unguarded:
+                continue
             frozen[session] = frozen.get(session, 0) + provider.freeze()
     elapsed = time.perf_counter() - start
     for session, nbytes in frozen.items():
@@ -177,6 +202,27 @@ def _freeze_tree(module: torch.nn.Module) -> None:
             sum(frozen.values()),
             elapsed,
         )
+
+
+def in_flight() -> bool:
+    """Whether a snapshot held or protected for copy-on-write is in flight."""
+    return bool(_cow)
+
+
+def wait_planned() -> None:
+    """Wait until no copy-on-write session is planning (each has entered its tensors, or
+    never will)."""
+    if _planning & _cow:
+        start = time.perf_counter()
+        with _released:
+            _released.wait_for(lambda: not _planning & _cow)
+        logger.debug("a write waited %.3fs for snapshot planning", time.perf_counter() - start)
+
+
+def tracked(key: int) -> list[tuple[Any, Any]]:
+    """The ``(session, provider)`` pairs of copy-on-write snapshots in flight whose tensor
+    lives in the storage whose base address is ``key``."""
+    return [entry for entry in _by_storage.get(key, ()) if entry[0] in _cow]
 
 
 def installed() -> bool:

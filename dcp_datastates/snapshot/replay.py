@@ -60,7 +60,7 @@ import torch
 
 from ..providers import _REGISTRY
 from ..providers.tensor import PROBE_AT_CALL_BYTES, probe
-from .capture import _PLAIN, _SCALARS, Capture, capture, keep_attributes
+from .capture import _PLAIN, _SCALARS, Capture, alias, capture, keep_attributes
 from .device import chosen
 from .hostmem import zeroed
 
@@ -118,6 +118,9 @@ class _Record:
         self.big_nbytes: list[int] = []
         #: Indices into ``big`` of the tensors probed in ``stage()`` (``PROBE_AT_CALL_BYTES``).
         self.probed: list[int] = []
+        #: Indices into ``big`` of parameters (``state_dict(keep_vars=True)``): aliased in
+        #: ``stage()`` (``capture.alias``).
+        self.params: list[int] = []
         self.scalars: set[int] = set()
         self.eager_bytes = 0
         #: Per group, the buffer the next save stacks into: allocated and faulted in on the
@@ -202,6 +205,7 @@ def _learn(state_dict: Mapping[Any, Any], eager_limit: int) -> _Record | None:
         )
         start = end
     rec.probed = [i for i, n in enumerate(rec.big_nbytes) if n >= PROBE_AT_CALL_BYTES]
+    rec.params = [i for i, pos in enumerate(rec.big) if rec.types[pos] is torch.nn.Parameter]
     rec.group_kinds = list(groups)
     rec.groups = list(groups.values())
     rec.small = [pos for group in rec.groups for pos in group]
@@ -281,6 +285,17 @@ class CaptureCache:
         if _has_accelerator() and not all(map(_is_cpu, big)):
             return None  # a tensor moved to a device: its copy needs the device gate
         versions = list(map(_version, big))
+        # Sizes here, not on the planning thread: a tensor grown past PROBE_AT_CALL_BYTES must
+        # be probed now, as the walk would (a `.data` swap after the call was committed on a
+        # replayed save and caught on a walked one). About 0.2 us a tensor, just visited.
+        sizes = list(map(_nbytes, big))
+        if sizes != rec.big_nbytes:
+            probed = set(rec.probed)
+            if any(n >= PROBE_AT_CALL_BYTES and i not in probed for i, n in enumerate(sizes)):
+                return None  # the walk probes it, and learns the layout again
+        for i in rec.params:
+            pos = rec.big[i]
+            big[i] = values[pos] = alias(big[i])
         # The big ones' bytes sampled before the caller can write them (the planning thread's
         # samples may come after an in-place op started: providers.tensor.probe_offsets).
         probes = {id(t): probe(t, t.nbytes) for t in map(big.__getitem__, rec.probed)}
@@ -289,7 +304,7 @@ class CaptureCache:
             return None
         captured = Capture({}, {}, len(rec.small) + len(big), rec.eager_bytes, probes=probes)
         captured.finish = lambda: _build(rec, values, stacks, big, versions)
-        captured.sizes_held = lambda: list(map(_nbytes, big)) == rec.big_nbytes
+        captured.sizes_held = lambda: sizes == rec.big_nbytes
         captured.source = state_dict
         captured.replayed = True
         captured.previous_plan = rec.local_plan

@@ -109,6 +109,9 @@ class SnapshotSession:
         self.eager_bytes = 0
         self.forward_frozen_bytes = 0
         self.forward_blocked_s = 0.0
+        #: Bytes copied before a write reached them (``cow.py``), and the writes' wait for it.
+        self.cow_bytes = 0
+        self.cow_blocked_s = 0.0
         #: Bytes the flush wrote straight from the live tensors (never copied).
         self.live_bytes = 0
         #: Whether the flush may write pieces from the live tensors (``claim_live``): set by the

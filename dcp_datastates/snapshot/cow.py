@@ -1,0 +1,192 @@
+"""Copy-on-write: while a snapshot is in flight, a write to a tensor it has not copied yet copies
+that tensor first.
+
+The snapshot is lazy: ``stage()`` returns before the state is copied. Hooks hold back the writers
+that have them (the optimizer step, ``guard.py``; module forwards, ``forward_gate.py``), but many
+writes have none: ``p.data.copy_(shadow)`` (EMA evaluation), ``p.mul_`` under ``torch.no_grad()``
+(decoupled weight decay), ``model.load_state_dict(best)`` (a rollback), SWA's
+``update_parameters``, the in-place renorm inside ``nn.Embedding(max_norm=)``'s forward.
+
+All of them reach ATen as an operator whose schema marks an argument as written
+(``Tensor(a!)``). A :class:`~torch.utils._python_dispatch.TorchDispatchMode` on the thread that
+called the save sees every such operator below autograd, whatever tensor object it goes through
+(``.data``, a view, a ``from_numpy`` alias of the same memory): before it runs, each written
+tensor whose storage a snapshot in flight tracks (``forward_gate.tracked``) is frozen
+(``TensorProvider.freeze``: a private copy on its own device, which the snapshot then copies;
+nothing if it was copied already). Then the write runs.
+
+The mode costs a Python call per operator (about 10-20 us on a small CPU), so it is on only in
+the snapshot window: pushed by ``stage()``, popped on the same thread at the first optimizer
+step or module forward after every snapshot has been copied (the mode stack is per thread).
+
+What it does not see (the version counter and stage-time probes remain the check there, and a
+change they see fails the save): writes on other threads, writes NumPy makes through an array
+that shares a tensor's memory, and writes compiled into a ``torch.compile`` graph (module
+buffers are covered there by the forward gate).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .._platform import dispatch
+from .._platform.dispatch import DispatchMode
+from ..providers.tensor import storage_key
+from . import forward_gate
+
+logger = logging.getLogger(__name__)
+
+#: ``OpOverload -> ((argument index, name), ...)`` of the arguments its schema marks written.
+_writes: dict[Any, tuple[tuple[int, str], ...]] = {}
+_local = threading.local()  # .mode: this thread's pushed mode, if any
+_lock = threading.Lock()
+_hooks: list[Any] = []  # the settle hooks, installed while any thread has the mode pushed
+_active = 0  # threads whose mode is pushed
+
+#: Bytes frozen and writes intercepted by the mode (all writers), for tests and logs.
+frozen_bytes = 0
+interceptions = 0
+
+
+def _unmarked() -> dict[Any, tuple[tuple[int, str], ...]]:
+    """Operators that write arguments their schema does not mark: the batch norms update
+    ``running_mean`` and ``running_var`` in place when training (``native_batch_norm`` is what
+    ``nn.BatchNorm*`` runs in eager mode on CPU; cuDNN and MIOpen on GPUs)."""
+    stats = ((3, "running_mean"), (4, "running_var"))
+    ops: dict[Any, tuple[tuple[int, str], ...]] = {}
+    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
+        packet = getattr(torch.ops.aten, name, None)
+        for overload in packet.overloads() if packet is not None else ():
+            ops[getattr(packet, overload)] = stats
+    return ops
+
+
+_UNMARKED = _unmarked()
+
+
+def _written(func: Any) -> tuple[tuple[int, str], ...]:
+    if func in _UNMARKED:
+        return _UNMARKED[func]
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return ()
+    return tuple(
+        (i, arg.name)
+        for i, arg in enumerate(schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    )
+
+
+def _tensors(value: Any) -> Sequence[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (list, tuple)):  # the foreach ops write lists
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return ()
+
+
+def _key(tensor: torch.Tensor) -> int:
+    if type(tensor) is DTensor:
+        tensor = tensor._local_tensor
+    try:
+        return storage_key(tensor)
+    except (RuntimeError, NotImplementedError):  # no storage (meta, a wrapper subclass)
+        return 0
+
+
+class _CopyOnWrite(DispatchMode):
+    """Freezes tracked tensors an operator is about to write (module docstring)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        written = _writes.get(func)
+        if written is None:
+            written = _writes[func] = _written(func)
+        if written and forward_gate.in_flight():
+            kwargs = kwargs or {}
+            targets: list[torch.Tensor] = []
+            for index, name in written:
+                targets.extend(_tensors(args[index] if index < len(args) else kwargs.get(name)))
+            before_write(targets, func)
+        return func(*args, **(kwargs or {}))
+
+
+def before_write(tensors: Sequence[torch.Tensor], what: Any = "a write") -> None:
+    """Copy each of ``tensors`` that a snapshot in flight has not copied yet, before the caller
+    writes it (on any thread: the mode calls this for the operators it sees; our reader for
+    the tensors it loads into behind torch's back)."""
+    global frozen_bytes, interceptions
+    if not forward_gate.in_flight():
+        return
+    keys = [k for k in map(_key, tensors) if k]
+    if not keys:
+        return
+    forward_gate.wait_planned()  # a session still planning has not entered its tensors yet
+    start = time.perf_counter()
+    frozen: dict[Any, int] = {}
+    for key in keys:
+        for session, provider in forward_gate.tracked(key):
+            frozen[session] = frozen.get(session, 0) + provider.freeze()
+    if not frozen:
+        return
+    elapsed = time.perf_counter() - start
+    with _lock:
+        interceptions += 1
+        frozen_bytes += sum(frozen.values())
+    for session, nbytes in frozen.items():
+        session.cow_bytes += nbytes
+        session.cow_blocked_s += elapsed
+    logger.debug("%s: copied %d bytes before it in %.6fs", what, sum(frozen.values()), elapsed)
+
+
+def activate() -> None:
+    """Push the mode on the calling thread (``stage()``'s), unless it is there already."""
+    global _active
+    if getattr(_local, "mode", None) is not None:
+        return
+    mode = _CopyOnWrite()
+    dispatch.push(mode)
+    _local.mode = mode
+    with _lock:
+        _active += 1
+        if not _hooks:
+            _hooks.append(register_optimizer_step_post_hook(_settle_hook))
+            _hooks.append(register_module_forward_pre_hook(_settle_hook))
+
+
+def settle() -> bool:
+    """Pop this thread's mode if no snapshot is in flight and it is the innermost mode (one the
+    caller pushed after ours stays above it: ours is then popped at a later call). Returns
+    whether this thread is now free of it."""
+    global _active
+    mode = getattr(_local, "mode", None)
+    if mode is None:
+        return True
+    if forward_gate.in_flight() or dispatch.innermost() is not mode:
+        return False
+    dispatch.pop()
+    _local.mode = None
+    with _lock:
+        _active -= 1
+        if _active == 0:
+            for handle in _hooks:
+                handle.remove()
+            _hooks.clear()
+    return True
+
+
+def _settle_hook(*_args: Any) -> None:
+    settle()
+
+
+def active() -> bool:
+    """Whether the calling thread has the mode pushed (for tests)."""
+    return getattr(_local, "mode", None) is not None
