@@ -67,7 +67,9 @@ class SnapshotMutationError(DataStatesError):
         how = (
             "its bytes changed without a version bump: a write through NumPy (.numpy(), a "
             "torch.from_numpy array), or with copy_on_write off a write through .data or a "
-            "module's forward updating a buffer with guard_forward off"
+            "module's forward updating a buffer with guard_forward off; or an in-place op on "
+            "another thread still running as its copy ended (its version counter moves when it "
+            "returns)"
             if unversioned
             else f"version {before} -> {after}"
         )

@@ -271,7 +271,7 @@ def test_an_in_place_change_before_the_step_fails_the_save_naming_the_tensor(
 ) -> None:
     weight, optimizer, state = _training_state()
     state["buffers"] = []
-    writer = make_writer(tmp_path, **SMALL_POOL)
+    writer = make_writer(tmp_path, copy_on_write=False, **SMALL_POOL)
     with use_device(fake):
         response = async_save(state, writer, no_dist=True)
     fake.wait_enqueued(1)

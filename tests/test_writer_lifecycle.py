@@ -700,6 +700,7 @@ BAD_OPTIONS = [
     ("eager_copy_bytes", 4096.0, "is a float"),
     ("guard_optimizer_step", 1, "must be True or False"),
     ("guard_forward", "yes", "must be True or False"),
+    ("copy_on_write", 1, "must be True or False"),
     ("guard_on_device", 1, "must be True or False"),
     ("sync_files", None, "must be True or False"),
     ("direct_writes", "yes", "must be True or False"),
@@ -751,7 +752,9 @@ def test_good_options_are_accepted(tmp_path: Path) -> None:
 def test_a_failed_save_keeps_its_own_record_and_last_stats_the_last_good_one(
     tmp_path: Path, make_writer, gated_tensors
 ) -> None:
-    writer = make_writer(tmp_path / "unused", guard_optimizer_step=False, **SMALL_POOL)
+    writer = make_writer(
+        tmp_path / "unused", guard_optimizer_step=False, copy_on_write=False, **SMALL_POOL
+    )
     sd = state()
     gated_tensors.set()
     async_save(
@@ -802,7 +805,7 @@ def test_optimizer_wait_counts_only_this_writers_snapshots(
 
 
 def test_a_mutation_error_still_names_the_tensor(tmp_path: Path, make_writer, gated_tensors):
-    writer = make_writer(tmp_path, guard_optimizer_step=False, **SMALL_POOL)
+    writer = make_writer(tmp_path, guard_optimizer_step=False, copy_on_write=False, **SMALL_POOL)
     sd = state()
     response = async_save(sd, writer, no_dist=True)
     sd["w"][1].mul_(2)

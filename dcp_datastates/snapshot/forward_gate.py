@@ -221,8 +221,13 @@ def wait_planned() -> None:
 
 def tracked(key: int) -> list[tuple[Any, Any]]:
     """The ``(session, provider)`` pairs of copy-on-write snapshots in flight whose tensor
-    lives in the storage whose base address is ``key``."""
-    return [entry for entry in _by_storage.get(key, ()) if entry[0] in _cow]
+    lives in the storage whose base address is ``key``. A session the optimizer step fenced on
+    the device is left out: every write enqueued after the fence runs after its copies."""
+    return [
+        entry
+        for entry in _by_storage.get(key, ())
+        if entry[0] in _cow and not getattr(entry[0], "fenced", False)
+    ]
 
 
 def installed() -> bool:
