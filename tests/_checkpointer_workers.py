@@ -30,7 +30,7 @@ from _dist_workers import _init, run_worker  # noqa: E402
 from _signal_util import signal_from_a_thread_once_main_sleeps  # noqa: E402
 
 from dcp_datastates import DataStatesWriter  # noqa: E402
-from dcp_datastates.checkpointers.checkpointer import Checkpointer  # noqa: E402
+from dcp_datastates.checkpointers.checkpointer import Checkpointer, step_dir_name  # noqa: E402
 
 
 def say(line: str) -> None:
@@ -93,6 +93,34 @@ def train_step(app: App, step: int, world: int) -> None:
     app.optim.step()
     app.optim.zero_grad()
     app.extra["seen"] += 8
+
+
+class GatedWriter(DataStatesWriter):
+    """Holds the commit of one checkpoint until the test opens the gate."""
+
+    def __init__(self, *args: Any, gated_step: int, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.gated = step_dir_name(gated_step)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        if self.checkpoint_id.rstrip("/").endswith(self.gated):
+            self.entered.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        super().finish(metadata, results)
+
+
+class FailingWriter(DataStatesWriter):
+    """The commit of one checkpoint fails, as a full disk at commit time would."""
+
+    def __init__(self, *args: Any, failing_step: int, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.failing = step_dir_name(failing_step)
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        if self.checkpoint_id.rstrip("/").endswith(self.failing):
+            raise OSError(28, "injected: no space left at commit")
+        super().finish(metadata, results)
 
 
 class BlockingWriter(DataStatesWriter):
