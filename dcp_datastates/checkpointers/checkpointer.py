@@ -16,6 +16,9 @@ Rules:
   directory older than the newest commit that never committed (its save failed, or its process
   died: a crash, a second signal) is deleted too; one newer than it is left (the step a resumed
   run will save again).
+- Resuming (``load_latest``) tries ``latest``'s step, then the older committed ones, newest
+  first, and loads the first that every rank loads (``resume.py``), logging each one passed
+  over and why.
 - Preemption: a signal (SIGTERM by default) or :meth:`Checkpointer.request_preemption` only sets
   a flag. At the next :meth:`Checkpointer.maybe_save` every rank agrees (one all-reduce) that a
   preemption is pending, finishes the save in flight, takes a final checkpoint of the current
@@ -31,8 +34,6 @@ import contextlib
 import inspect
 import logging
 import os
-import re
-import shutil
 import signal
 import threading
 from collections.abc import Iterable
@@ -41,29 +42,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from .._concurrency import signals as _signals
 from .._concurrency.signals import wait_in_slices
-from ..errors import CheckpointNotCommittedError, CheckpointSaveError, unknown_options
-from ..format import LATEST_NAME, METADATA_NAME
-from ..load.reader import DataStatesReader
+from ..errors import CheckpointSaveError, unknown_options
+from ..format import LATEST_NAME
 from ..options import WriterOptions
 from ..save.api import async_save
 from ..save.compat import STOCK_WRITER_ARGS
 from ..save.writer import DataStatesWriter
 from ..storage.base import LocalStorage
-from . import retention
+from . import resume, steps
+from .steps import step_dir_name
+
+__all__ = ["ABORT_EXIT_CODE", "Checkpointer", "step_dir_name"]
 
 logger = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 #: Exit status when a second signal or the deadline ends the process before the final commit.
 ABORT_EXIT_CODE = 143
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
 
 
 class Checkpointer:
@@ -172,6 +169,10 @@ class Checkpointer:
             return {"no_dist": True}
         return {"process_group": self.process_group}
 
+    def _ranks(self) -> resume.Ranks:
+        rank = dist.get_rank(self._vote_group) if self._vote_group is not None else 0
+        return resume.Ranks(rank, self._save_kwargs(), self._vote_group)
+
     # -- saving --------------------------------------------------------------------------------
     def maybe_save(self, step: int, app_state: dict[str, Any]) -> bool:
         """Call once per step, after the optimizer step; returns True if a save was started.
@@ -199,7 +200,7 @@ class Checkpointer:
         self._raise_failed(self._agree(vote_preemption=False)[1])
         if step == self._committed_step:
             return False  # already committed: re-saving would uncommit the one `latest` names
-        path = os.path.join(self.root, step_dir_name(step))
+        path = steps.path(self.root, step)
         response = async_save(app_state, self.writer, checkpoint_id=path, **self._save_kwargs())
         done = threading.Event()
         with self._lock:
@@ -272,53 +273,13 @@ class Checkpointer:
         )
 
     # -- retention -----------------------------------------------------------------------------
-    def _step_dirs(self) -> dict[int, bool]:
-        """Step directories under ``root``: step -> whether it is committed."""
-        steps = {}
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(self.root):
-                m = _STEP_DIR.match(name)
-                if m and os.path.isdir(os.path.join(self.root, name)):
-                    committed = os.path.exists(os.path.join(self.root, name, METADATA_NAME))
-                    steps[int(m.group(1))] = committed
-        return steps
-
     def committed_steps(self) -> list[int]:
         """Steps of the committed checkpoints under ``root``, oldest first."""
-        return sorted(step for step, committed in self._step_dirs().items() if committed)
+        return sorted(step for step, committed in steps.listing(self.root).items() if committed)
 
     def _purge(self, newest: int) -> None:
-        if self.keep_latest_k == 0:
-            return
-        done = retention.delete_expired(
-            [s for s in self.committed_steps() if s <= newest],
-            self.keep_latest_k,
-            self._delete_step,
-            errors=OSError,  # the others are still deleted (one stuck step held all)
-            on_error=self._on_delete_error,
-        )
-        # Older than the newest commit and never committed: no save is in flight when retention
-        # runs, so these saves failed or their process died.
-        for step, committed in sorted(self._step_dirs().items()):
-            if step < newest and not committed:
-                path = os.path.join(self.root, step_dir_name(step))
-                logger.warning("deleting %s: its save never committed (it failed or died)", path)
-                shutil.rmtree(path, ignore_errors=True)
-        if done.failed:
-            raise done.failed[0][1]
-
-    def _delete_step(self, step: int) -> None:
-        path = os.path.join(self.root, step_dir_name(step))
-        logger.info("keep_latest_k=%d: deleting checkpoint %s", self.keep_latest_k, path)
-        retention.delete_checkpoint(LocalStorage(path), missing_ok=False)
-
-    def _on_delete_error(self, step: int, exc: Exception) -> None:
-        path = os.path.join(self.root, step_dir_name(step))
-        logger.error("keep_latest_k: could not delete checkpoint %s: %s", path, exc)
-        exc.add_note(
-            f"keep_latest_k={self.keep_latest_k} could not delete {path}; the other "
-            "old checkpoints were deleted. Remove it by hand (or fix its permissions)."
-        )
+        if self.keep_latest_k:
+            steps.purge(self.root, newest, self.keep_latest_k)
 
     # -- loading -------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -330,26 +291,38 @@ class Checkpointer:
             return None
 
     def load_latest(self, app_state: dict[str, Any], **reader_options: Any) -> int | None:
-        """Load the newest committed checkpoint into ``app_state``; returns its step, or None
-        (nothing loaded) if there is none. Rank 0 decides and every rank loads that step."""
-        step = self.latest_step() if self._rank() == 0 else None
-        if step is None and self._rank() == 0:
-            committed = self.committed_steps()  # committed, but killed before `latest` moved
-            step = committed[-1] if committed else None
-        if self._dist():
-            box = [step]
-            dist.broadcast_object_list(box, group_src=0, group=self._vote_group)
-            step = box[0]
-        if step is None:
-            return None
-        path = os.path.join(self.root, step_dir_name(step))
-        if not os.path.exists(os.path.join(path, METADATA_NAME)):
-            raise CheckpointNotCommittedError(
-                f"rank {self._rank()}: {path} (step {step}, named by {LATEST_NAME}) has no "
-                f"{METADATA_NAME}; is {self.root} shared by all ranks?"
-            )
-        reader = DataStatesReader(path, **reader_options)
-        dcp.load(app_state, storage_reader=reader, **self._save_kwargs())
+        """Load the newest checkpoint that loads into ``app_state``; returns its step, or None
+        (nothing loaded) if there is no committed one.
+
+        Tries the step ``latest`` names, then the older committed ones, newest first: one that
+        is damaged or not committed is passed over, with a warning saying why. All ranks load
+        the same step (rank 0 picks the order; they agree on each try). If none loads, raises
+        :class:`~dcp_datastates.CheckpointLoadError` listing each step tried and why."""
+        self._wait_in_flight()  # DCP's collectives of a save and a load must not interleave
+        order: list[int] = []
+        if self._rank() == 0:
+            try:
+                latest = self.latest_step()
+            except (OSError, ValueError) as exc:
+                logger.warning("rank 0: %s is unreadable (%s): ignoring it", LATEST_NAME, exc)
+                latest = None
+            older = [s for s in self.committed_steps() if latest is None or s < latest]
+            order = ([] if latest is None else [latest]) + older[::-1]
+        step = resume.load_newest(self.root, order, app_state, reader_options, self._ranks())
+        if step is not None:
+            self._committed_step = step
+        return step
+
+    def load(self, app_state: dict[str, Any], *, step: int, **reader_options: Any) -> int:
+        """Load the checkpoint of ``step`` into ``app_state`` on every rank; returns ``step``.
+
+        Raises :class:`~dcp_datastates.CheckpointNotCommittedError` listing the committed steps
+        if it has none, and :class:`~dcp_datastates.CheckpointLoadError` if it does not load
+        (no fallback: that step was asked for). ``latest`` does not move."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be an int >= 0: one of committed_steps()")
+        self._wait_in_flight()
+        resume.load_step(self.root, step, app_state, reader_options, self._ranks())
         self._committed_step = step
         return step
 

@@ -1,0 +1,115 @@
+"""Checkpointer, resuming and as a new user meets it: a damaged or uncommitted newest step falls
+back to the one before, and ``load(step=)``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _checkpointer_workers import App, Model, damage, digest, train_step
+from _dist_workers import check_all_ok, launch
+
+from dcp_datastates import (
+    CheckpointLoadError,
+    CheckpointNotCommittedError,
+)
+from dcp_datastates.checkpointers.checkpointer import Checkpointer, step_dir_name
+
+WORKER = str(Path(__file__).with_name("_checkpointer_workers.py"))
+LOGGER = "dcp_datastates.checkpointers"
+
+
+def _app() -> App:
+    model = Model()
+    return App(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def _run(root: Path, steps_: range | tuple[int, ...], **options: Any) -> dict[int, str]:
+    """Train and save every step of ``steps_``; the digest after each."""
+    app, seen = _app(), {}
+    with Checkpointer(root, every_steps=1, preemption_signals=(), **options) as ck:
+        for step in steps_:
+            train_step(app, step, 1)
+            seen[step] = digest(app)
+            ck.maybe_save(step, {"app": app})
+    return seen
+
+
+def _resume(root: Path) -> tuple[int | None, str]:
+    app = _app()
+    with Checkpointer(root, preemption_signals=()) as ck:
+        step = ck.load_latest({"app": app})
+    return step, digest(app)
+
+
+# -- item 9: resume from the newest checkpoint that loads --------------------------------------
+def test_a_damaged_latest_falls_back_to_the_step_before_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen = _run(tmp_path, (1, 2, 3))
+    damage(tmp_path / step_dir_name(3))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert _resume(tmp_path) == (2, seen[2])
+    (skip,) = [r.getMessage() for r in caplog.records if "cannot resume from step 3" in r.message]
+    assert skip.startswith("rank 0:") and "ChecksumMismatchError" in skip, skip
+
+
+def test_an_uncommitted_latest_falls_back_to_the_newest_committed_step(tmp_path: Path) -> None:
+    """What a save over the step ``latest`` names left before (it uncommitted that step first)."""
+    seen = _run(tmp_path, (1, 2, 3))
+    (tmp_path / step_dir_name(3) / ".metadata").unlink()
+    assert _resume(tmp_path) == (2, seen[2])
+
+
+def test_when_no_step_loads_an_exception_lists_each_step_and_why(tmp_path: Path) -> None:
+    _run(tmp_path, (1, 2))
+    (tmp_path / step_dir_name(2) / ".metadata").unlink()  # the step `latest` names
+    damage(tmp_path / step_dir_name(1))
+    with pytest.raises(CheckpointLoadError) as raised:  # an Exception: `except Exception` sees it
+        _resume(tmp_path)
+    assert isinstance(raised.value, Exception)
+    assert list(raised.value.failures) == [2, 1]
+    message = str(raised.value)
+    assert "step 2: not committed" in message, message
+    assert "step 1: rank 0: ChecksumMismatchError" in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_fall_back_together_past_a_step_one_rank_alone_cannot_load(
+    tmp_path: Path,
+) -> None:
+    """Step 3 is damaged (DCP fails its load on every rank); rank 1 alone refuses step 2 in its
+    own ``load_state_dict`` (no other rank hears of it from DCP): both ranks load step 1."""
+    results = launch("resume", tmp_path, script=WORKER, timeout=120)
+    check_all_ok(results)
+    assert [r.report["resumed"] for r in results] == [1, 1]
+    assert [r.report["digest"] for r in results] == [r.report["digests"]["1"] for r in results]
+    for r in results:
+        assert f"rank {r.rank}: cannot resume from step 3" in r.output, r.output[-3000:]
+        assert f"rank {r.rank}: cannot resume from step 2" in r.output, r.output[-3000:]
+    assert "failed on rank(s) [1]" in results[0].output, results[0].output[-3000:]
+    assert "injected: this rank refuses" in results[1].output, results[1].output[-3000:]
+
+
+# -- item 10: a new user's checkpointer --------------------------------------------------------
+def test_load_takes_a_given_step_and_names_the_steps_there_when_it_is_absent(
+    tmp_path: Path,
+) -> None:
+    seen = _run(tmp_path, (1, 2, 3))
+    app = _app()
+    with Checkpointer(tmp_path, preemption_signals=()) as ck:
+        assert ck.load({"app": app}, step=2) == 2
+        assert digest(app) == seen[2]
+        with pytest.raises(CheckpointNotCommittedError, match=r"committed steps are \[1, 2, 3\]"):
+            ck.load({"app": app}, step=5)
+        with pytest.raises(ValueError, match="step='2'"):
+            ck.load({"app": app}, step="2")  # type: ignore[arg-type]
+        damage(tmp_path / step_dir_name(3))
+        with pytest.raises(CheckpointLoadError, match="ChecksumMismatchError") as raised:
+            ck.load({"app": app}, step=3)  # a step asked for by name does not fall back
+    assert list(raised.value.failures) == [3]
+    assert "may hold part of it" in str(raised.value)  # a failed load can leave some of its state
