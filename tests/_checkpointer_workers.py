@@ -95,6 +95,12 @@ def train_step(app: App, step: int, world: int) -> None:
     app.extra["seen"] += 8
 
 
+def _names_step(checkpoint_id: str, name: str) -> bool:
+    """Whether a save goes to step ``name``: its directory, or beside it (a step saved again
+    is written to ``step_00000002.replacing``, then swapped in)."""
+    return os.path.basename(checkpoint_id.rstrip("/")).split(".")[0] == name
+
+
 class GatedWriter(DataStatesWriter):
     """Holds the commit of one checkpoint until the test opens the gate."""
 
@@ -104,7 +110,7 @@ class GatedWriter(DataStatesWriter):
         self.entered, self.gate = threading.Event(), threading.Event()
 
     def finish(self, metadata: Any, results: Any) -> None:
-        if self.checkpoint_id.rstrip("/").endswith(self.gated):
+        if _names_step(self.checkpoint_id, self.gated):
             self.entered.set()
             assert self.gate.wait(30), "the test never opened the gate"
         super().finish(metadata, results)
@@ -118,7 +124,7 @@ class FailingWriter(DataStatesWriter):
         self.failing = step_dir_name(failing_step)
 
     def finish(self, metadata: Any, results: Any) -> None:
-        if self.checkpoint_id.rstrip("/").endswith(self.failing):
+        if _names_step(self.checkpoint_id, self.failing):
             raise OSError(28, "injected: no space left at commit")
         super().finish(metadata, results)
 

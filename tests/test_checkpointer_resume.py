@@ -1,5 +1,5 @@
 """Checkpointer, resuming and as a new user meets it: a damaged or uncommitted newest step falls
-back to the one before, and ``load(step=)``."""
+back to the one before, a step saved again never leaves nothing loadable, ``load(step=)``."""
 
 from __future__ import annotations
 
@@ -9,13 +9,24 @@ from typing import Any
 
 import pytest
 import torch
-from _checkpointer_workers import App, Model, damage, digest, train_step
+import torch.distributed.checkpoint as dcp
+from _checkpointer_workers import (
+    App,
+    FailingWriter,
+    GatedWriter,
+    Model,
+    damage,
+    digest,
+    train_step,
+)
 from _dist_workers import check_all_ok, launch
 
 from dcp_datastates import (
     CheckpointLoadError,
     CheckpointNotCommittedError,
+    DataStatesWriter,
 )
+from dcp_datastates.checkpointers import steps
 from dcp_datastates.checkpointers.checkpointer import Checkpointer, step_dir_name
 
 WORKER = str(Path(__file__).with_name("_checkpointer_workers.py"))
@@ -93,6 +104,89 @@ def test_two_ranks_fall_back_together_past_a_step_one_rank_alone_cannot_load(
         assert f"rank {r.rank}: cannot resume from step 2" in r.output, r.output[-3000:]
     assert "failed on rank(s) [1]" in results[0].output, results[0].output[-3000:]
     assert "injected: this rank refuses" in results[1].output, results[1].output[-3000:]
+
+
+# -- item 9: saving again the step `latest` names ----------------------------------------------
+def test_saving_the_latest_step_again_keeps_it_loadable_until_the_new_save_commits(
+    tmp_path: Path,
+) -> None:
+    """A run resumed by other means saves step 2 again, with keep_latest_k=1: the writer
+    uncommitted step 2 before writing over it, so a crash then left nothing to load."""
+    seen = _run(tmp_path, (1, 2), keep_latest_k=1)
+    app = _app()
+    for step in (1, 2, 3):  # a different state to save as step 2
+        train_step(app, step, 1)
+    writer = GatedWriter(tmp_path, gated_step=2)
+    ck = Checkpointer(tmp_path, every_steps=1, keep_latest_k=1, writer=writer)
+    try:
+        assert ck.maybe_save(2, {"app": app})
+        assert writer.entered.wait(30)  # written, about to commit: the old step 2 still loads
+        assert _resume(tmp_path) == (2, seen[2])
+        writer.gate.set()
+        ck.wait()
+    finally:
+        writer.gate.set()
+        ck.close()
+        writer.close()
+    assert _resume(tmp_path) == (2, digest(app))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", step_dir_name(2)]
+
+
+def test_a_failed_save_over_the_latest_step_leaves_the_old_one_loadable(tmp_path: Path) -> None:
+    seen = _run(tmp_path, (1, 2), keep_latest_k=1)
+    app = _app()
+    writer = FailingWriter(tmp_path, failing_step=2)
+    ck = Checkpointer(tmp_path, every_steps=1, keep_latest_k=1, writer=writer)
+    ck.maybe_save(2, {"app": app})
+    with pytest.raises(Exception, match="no space left"):
+        ck.wait()
+    ck.close()
+    writer.close()
+    assert _resume(tmp_path) == (2, seen[2])
+
+
+def _save_to(path: Path, app: App) -> None:
+    writer = DataStatesWriter(path)
+    try:
+        dcp.save({"app": app}, storage_writer=writer, no_dist=True)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "crash", ["before the swap", "between the two renames", "before the old one is deleted"]
+)
+def test_a_crash_while_replacing_a_step_leaves_one_that_loads(tmp_path: Path, crash: str) -> None:
+    """A step saved again is written beside the old one and swapped in by two renames once it
+    is committed. What a crash leaves at each point loads, and the next save tidies it."""
+    old = _run(tmp_path, (1, 2))[2]
+    new_app = _app()
+    for step in (1, 2, 3):
+        train_step(new_app, step, 1)
+    place = tmp_path / step_dir_name(2)
+    replacing, replaced = (Path(f"{place}{suffix}") for suffix in steps.ASIDE)
+    _save_to(replacing, new_app)
+    if crash != "before the swap":
+        place.rename(replaced)
+    if crash == "before the old one is deleted":
+        replacing.rename(place)
+    expected = old if crash == "before the swap" else digest(new_app)
+    assert _resume(tmp_path) == (2, expected)
+
+    app = _app()
+    with Checkpointer(tmp_path, every_steps=1, preemption_signals=()) as ck:
+        ck.load({"app": app}, step=2)
+        ck.maybe_save(3, {"app": app})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        step_dir_name(1),
+        step_dir_name(2),
+        step_dir_name(3),
+    ]
+    app = _app()
+    with Checkpointer(tmp_path, preemption_signals=()) as ck:
+        ck.load({"app": app}, step=2)
+    assert digest(app) == expected
 
 
 # -- item 10: a new user's checkpointer --------------------------------------------------------

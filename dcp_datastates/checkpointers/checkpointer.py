@@ -4,6 +4,7 @@ Layout under ``root``::
 
     root/step_00000100/   a DCP checkpoint (committed once its ``.metadata`` exists)
     root/latest           the step of the newest committed checkpoint (written atomically)
+    root/step_00000100.replacing, .replaced   while a committed step is saved again (steps.py)
 
 Rules:
 
@@ -16,6 +17,8 @@ Rules:
   directory older than the newest commit that never committed (its save failed, or its process
   died: a crash, a second signal) is deleted too; one newer than it is left (the step a resumed
   run will save again).
+- Saving a step that is committed already writes beside it and swaps the new one in once it is
+  committed (``steps.py``): a committed checkpoint of that step exists throughout.
 - Resuming (``load_latest``) tries ``latest``'s step, then the older committed ones, newest
   first, and loads the first that every rank loads (``resume.py``), logging each one passed
   over and why.
@@ -38,7 +41,7 @@ import signal
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -61,6 +64,14 @@ logger = logging.getLogger(__name__)
 
 #: Exit status when a second signal or the deadline ends the process before the final commit.
 ABORT_EXIT_CODE = 143
+
+
+class _Agreed(NamedTuple):
+    """What the ranks agreed at one call (:meth:`Checkpointer._agree`)."""
+
+    preempted: bool  # some rank saw a preemption
+    failed: list[int]  # the ranks holding an earlier save's error
+    replacing: bool  # rank 0 found the step to save committed already
 
 
 class Checkpointer:
@@ -182,11 +193,11 @@ class Checkpointer:
         """
         if self.preempted:
             return False  # the final checkpoint is committed; the loop should stop
-        preempted, failed = self._agree()
-        if preempted:
+        agreed = self._agree()
+        if agreed.preempted:
             self._final_save(step, app_state)
             return False
-        self._raise_failed(failed)
+        self._raise_failed(agreed.failed)
         if step % self.every_steps != 0:
             return False
         return self.save(step, app_state)
@@ -195,22 +206,30 @@ class Checkpointer:
         """Start an async save of ``app_state`` as ``step`` (after the one in flight ends).
 
         Call it on every rank. An earlier save's error is raised on every rank, at the same
-        call, and none saves (:meth:`_raise_failed`)."""
+        call, and none saves (:meth:`_raise_failed`).
+
+        A step committed already (a run resumed by other means saves the step ``latest``
+        names) is saved beside it and swapped in once committed (``steps.py``)."""
         self._wait_in_flight()
-        self._raise_failed(self._agree(vote_preemption=False)[1])
+        replacing = False
+        if self._rank() == 0 and step != self._committed_step:
+            steps.settle(self.root)  # what a crash left of a replacement; none is in flight
+            replacing = steps.is_committed(steps.path(self.root, step))
+        agreed = self._agree(vote_preemption=False, replacing=replacing)
+        self._raise_failed(agreed.failed)
         if step == self._committed_step:
-            return False  # already committed: re-saving would uncommit the one `latest` names
-        path = steps.path(self.root, step)
+            return False  # already committed from this state: nothing to save
+        path = steps.path(self.root, step) + (steps.REPLACING if agreed.replacing else "")
         response = async_save(app_state, self.writer, checkpoint_id=path, **self._save_kwargs())
         done = threading.Event()
         with self._lock:
             self._in_flight = (step, done)
         response.upload_completion.add_done_callback(
-            lambda f, s=step, d=done: self._on_done(s, f, d)
+            lambda f, s=step, d=done, p=path: self._on_done(s, p, f, d)
         )
         return True
 
-    def _on_done(self, step: int, fut: Future[Any], done: threading.Event) -> None:
+    def _on_done(self, step: int, path: str, fut: Future[Any], done: threading.Event) -> None:
         """Runs on DCP's save thread once the save is committed (or failed) on this rank."""
         exc = fut.exception()
         committed = exc is None
@@ -218,6 +237,8 @@ class Checkpointer:
             try:
                 if self._rank() == 0:
                     committed = False
+                    if path != steps.path(self.root, step):
+                        steps.swap_in(self.root, step)
                     LocalStorage(self.root).put_atomic(LATEST_NAME, f"{step}\n".encode(), sync=True)
                     committed = True  # `latest` names it: a retention failure leaves it so
                     self._purge(step)
@@ -353,23 +374,24 @@ class Checkpointer:
             )
             os._exit(self.abort_exit_code)
 
-    def _agree(self, *, vote_preemption: bool = True) -> tuple[bool, list[int]]:
+    def _agree(self, *, vote_preemption: bool = True, replacing: bool = False) -> _Agreed:
         """One all-reduce on the vote group: whether any rank saw a preemption (acted on by
-        all, at the same step), and the ranks holding an earlier save's error (raised by all,
-        :meth:`_raise_failed`)."""
+        all, at the same step), the ranks holding an earlier save's error (raised by all,
+        :meth:`_raise_failed`), and whether the step to save is committed already (rank 0's
+        ``replacing``: every rank must save to the same directory)."""
         flag = vote_preemption and self._requested.is_set()
         with self._lock:
             failed = self._error is not None
         if not self._dist():
-            return flag, [0] if failed else []
+            return _Agreed(flag, [0] if failed else [], replacing)
         group = self._vote_group
-        t = torch.zeros(1 + dist.get_world_size(group), dtype=torch.uint8)
-        t[0] = int(flag)
-        t[1 + dist.get_rank(group)] = int(failed)
+        t = torch.zeros(2 + dist.get_world_size(group), dtype=torch.uint8)
+        t[0], t[1] = int(flag), int(replacing)
+        t[2 + dist.get_rank(group)] = int(failed)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         if t[0] and not flag:
             self.request_preemption()
-        return bool(t[0]), [int(r) for r in t[1:].nonzero().flatten().tolist()]
+        return _Agreed(bool(t[0]), [int(r) for r in t[2:].nonzero().flatten().tolist()], bool(t[1]))
 
     def _final_save(self, step: int, app_state: dict[str, Any]) -> None:
         logger.warning("preemption: final checkpoint of step %d in %s", step, self.root)

@@ -1,5 +1,15 @@
 """The step directories under a ``Checkpointer`` root: their names, which are committed, and
-retention.
+replacing a committed one.
+
+A step saved again while committed (a run resumed by other means saves the step ``latest``
+names) is written beside it, to ``step_N.replacing``, never over it: the writer uncommits a
+directory before writing into it, and with ``keep_latest_k=1`` a crash then left nothing to
+load. Once the new save is committed on every rank, rank 0 swaps it in with two renames
+(``step_N`` to ``step_N.replaced``, then ``step_N.replacing`` to ``step_N``) and deletes the old
+one. At every point of that a committed checkpoint of step N exists, and
+:func:`committed_path` finds it (between the two renames, under its ``.replacing`` name);
+:func:`settle` finishes or undoes what a crash left, run by the saving checkpointer only
+(another process reading the root must not delete a save in flight).
 
 May import: ``retention``, ``storage`` and the leaves.
 """
@@ -19,6 +29,10 @@ from . import retention
 logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+#: Suffixes of the two directories beside ``step_N`` while it is replaced: the new save, the
+#: old one moved aside. :func:`committed_path` looks in this order.
+REPLACING, REPLACED = ASIDE = (".replacing", ".replaced")
+_ANY = re.compile(r"^step_(\d+)(\.replacing|\.replaced)?$")
 
 
 def step_dir_name(step: int) -> str:
@@ -34,17 +48,21 @@ def is_committed(directory: str) -> bool:
 
 
 def committed_path(root: str, step: int) -> str | None:
-    """Where step ``step``'s committed checkpoint is, or None."""
+    """Where step ``step``'s committed checkpoint is: its directory, or, after a crash
+    between the two renames of a replacement, the new save beside it (then the old one)."""
     place = path(root, step)
-    return place if is_committed(place) else None
+    for candidate in (place, *(place + suffix for suffix in ASIDE)):
+        if is_committed(candidate):
+            return candidate
+    return None
 
 
 def listing(root: str) -> dict[int, bool]:
-    """Steps with a directory under ``root``, and whether it is committed."""
+    """Steps with a directory under ``root`` (or one beside it), and whether it is committed."""
     found: dict[int, bool] = {}
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(root):
-            m = STEP_DIR.match(name)
+            m = _ANY.match(name)
             if m and os.path.isdir(os.path.join(root, name)):
                 step = int(m.group(1))
                 found[step] = found.get(step, False) or is_committed(os.path.join(root, name))
@@ -62,6 +80,45 @@ def plain_uncommitted(root: str) -> list[int]:
             and not is_committed(os.path.join(root, name))
         )
     return []
+
+
+def swap_in(root: str, step: int) -> None:
+    """Rank 0, once the save to ``step_N.replacing`` is committed on every rank: put it in
+    ``step_N``'s place and delete the old one (:func:`settle` does the second half)."""
+    place = path(root, step)
+    if os.path.isdir(place):
+        os.rename(place, place + REPLACED)
+    settle(root, only=step, crashed=False)
+
+
+def settle(root: str, *, only: int | None = None, crashed: bool = True) -> None:
+    """Finish or undo the replacements under ``root`` (of step ``only``, or all): move the
+    committed new save, else the old one, into ``step_N``'s place if that is not committed;
+    then delete what is left beside it (``.metadata`` first). Call it only where no save of
+    the step is in flight."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    asides = {int(m.group(1)) for n in names if (m := _ANY.match(n)) and m.group(2)}
+    for step in sorted(asides if only is None else asides & {only}):
+        place = path(root, step)
+        if not is_committed(place):
+            moved = next((place + s for s in ASIDE if is_committed(place + s)), None)
+            if moved is not None:
+                if crashed:
+                    logger.warning(
+                        "%s: a crash interrupted its replacement; using %s", place, moved
+                    )
+                if os.path.isdir(place):
+                    retention.delete_checkpoint(LocalStorage(place))
+                os.rename(moved, place)
+                _fsync_dir(root)
+        for suffix in ASIDE:
+            if os.path.isdir(place + suffix):
+                if crashed:
+                    logger.warning("deleting %s%s, left by an interrupted save", place, suffix)
+                retention.delete_checkpoint(LocalStorage(place + suffix))
 
 
 def purge(root: str, newest: int, keep: int) -> None:
@@ -92,3 +149,12 @@ def purge(root: str, newest: int, keep: int) -> None:
             shutil.rmtree(path(root, step), ignore_errors=True)
     if done.failed:
         raise done.failed[0][1]
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
