@@ -1,9 +1,11 @@
 """Checkpointer, resuming and as a new user meets it: a damaged or uncommitted newest step falls
-back to the one before, a step saved again never leaves nothing loadable, ``load(step=)``."""
+back to the one before, a step saved again never leaves nothing loadable, ``load(step=)``,
+arguments and the root checked at construction."""
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from dcp_datastates import (
     CheckpointLoadError,
     CheckpointNotCommittedError,
     DataStatesWriter,
+    StorageWriteError,
 )
 from dcp_datastates.checkpointers import steps
 from dcp_datastates.checkpointers.checkpointer import Checkpointer, step_dir_name
@@ -207,3 +210,50 @@ def test_load_takes_a_given_step_and_names_the_steps_there_when_it_is_absent(
             ck.load({"app": app}, step=3)  # a step asked for by name does not fall back
     assert list(raised.value.failures) == [3]
     assert "may hold part of it" in str(raised.value)  # a failed load can leave some of its state
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "words"),
+    [
+        ("every_steps", 2.5, "is a float; it must be an int"),
+        ("every_steps", True, "is a bool; it must be an int"),
+        ("every_steps", 0, "must be at least 1"),
+        ("keep_latest_k", "3", "is a str; it must be an int"),
+        ("keep_latest_k", -1, "must be at least 0"),
+        ("preemption_deadline_s", 0, "must be a number of seconds above 0"),
+        ("exit_on_preemption", "yes", "must be True or False"),
+        ("abort_exit_code", 300, "must be between 0 and 255"),
+    ],
+)
+def test_a_bad_argument_is_refused_at_construction_naming_it(
+    tmp_path: Path, option: str, value: Any, words: str
+) -> None:
+    with pytest.raises(ValueError, match=f"{option}={value!r}") as raised:
+        Checkpointer(tmp_path, preemption_signals=(), **{option: value})
+    assert words in str(raised.value)
+
+
+def _unwritable_dir(tmp_path: Path) -> Path:
+    """A directory this process cannot create files in: a read-only one, or, as root (who
+    writes through any mode bits), sysfs."""
+    if os.geteuid() != 0:
+        path = tmp_path / "read-only"
+        path.mkdir(mode=0o555)
+        return path
+    if not os.path.isdir("/sys/kernel"):
+        pytest.skip("root without sysfs: no directory here refuses root's writes")
+    return Path("/sys/kernel")
+
+
+@pytest.mark.parametrize("where", ["under a file", "a directory that refuses writes"])
+def test_a_root_that_cannot_be_written_is_refused_at_construction(
+    tmp_path: Path, where: str
+) -> None:
+    if where == "under a file":
+        (tmp_path / "a-file").write_text("")
+        root = tmp_path / "a-file" / "ckpt"
+    else:
+        root = _unwritable_dir(tmp_path)
+    with pytest.raises(StorageWriteError, match="not writable") as raised:
+        Checkpointer(root, preemption_signals=())
+    assert str(root) in str(raised.value)

@@ -34,6 +34,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -48,7 +49,7 @@ import torch.distributed as dist
 
 from .._concurrency import signals as _signals
 from .._concurrency.signals import wait_in_slices
-from ..errors import CheckpointSaveError, unknown_options
+from ..errors import CheckpointSaveError, StorageWriteError, unknown_options
 from ..format import LATEST_NAME
 from ..options import WriterOptions
 from ..save.api import async_save
@@ -56,14 +57,12 @@ from ..save.compat import STOCK_WRITER_ARGS
 from ..save.writer import DataStatesWriter
 from ..storage.base import LocalStorage
 from . import resume, steps
+from .options import ABORT_EXIT_CODE, CheckpointerOptions
 from .steps import step_dir_name
 
 __all__ = ["ABORT_EXIT_CODE", "Checkpointer", "step_dir_name"]
 
 logger = logging.getLogger(__name__)
-
-#: Exit status when a second signal or the deadline ends the process before the final commit.
-ABORT_EXIT_CODE = 143
 
 
 class _Agreed(NamedTuple):
@@ -79,8 +78,9 @@ class Checkpointer:
     ``keep_latest_k`` newest committed checkpoints, and save once more on preemption.
 
     Args:
-        root: Local directory holding the checkpoints (shared by all ranks).
-        every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0``.
+        root: Local directory holding the checkpoints (shared by all ranks); made if missing,
+            and refused at construction if this process cannot write in it.
+        every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0`` (an int >= 1).
         keep_latest_k: Committed checkpoints to keep; ``0`` keeps all.
         process_group: A CPU-capable group for DCP's collectives (default: a new gloo group, so
             that the save thread never shares a group with the training loop's collectives).
@@ -94,6 +94,9 @@ class Checkpointer:
             is True.
         writer: A :class:`DataStatesWriter` to reuse (default: one made here, closed by
             :meth:`close`); ``writer_options`` go to the one made here.
+
+    The options of its own are checked as :class:`CheckpointerOptions` (a bad one raises
+    ``ValueError`` naming it).
     """
 
     def __init__(
@@ -111,15 +114,18 @@ class Checkpointer:
         writer: DataStatesWriter | None = None,
         **writer_options: Any,
     ) -> None:
-        if every_steps < 1:
-            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
-        if keep_latest_k < 0:
-            raise ValueError(f"keep_latest_k must be >= 0 (0 keeps all), got {keep_latest_k}")
+        self.options = CheckpointerOptions(
+            every_steps=every_steps,
+            keep_latest_k=keep_latest_k,
+            preemption_deadline_s=preemption_deadline_s,
+            exit_on_preemption=exit_on_preemption,
+            preemption_exit_code=preemption_exit_code,
+            abort_exit_code=abort_exit_code,
+        )
         self.root = os.path.abspath(os.fspath(root))
         if "://" in os.fspath(root):
             raise ValueError(f"Checkpointer supports local directories only, got {root!s}")
-        self.every_steps = every_steps
-        self.keep_latest_k = keep_latest_k
+        vars(self).update(dataclasses.asdict(self.options))  # every_steps, keep_latest_k, ...
         distributed = dist.is_available() and dist.is_initialized()
         # Collectives on one group from two threads can pair up wrongly: DCP's save thread and
         # the training thread (the vote, the user's own collectives) each get a group of their own.
@@ -127,10 +133,7 @@ class Checkpointer:
             process_group = dist.new_group(backend="gloo")
         self.process_group = process_group
         self._vote_group = dist.new_group(backend="gloo") if distributed else None
-        self.preemption_deadline_s = preemption_deadline_s
-        self.exit_on_preemption = exit_on_preemption
-        self.preemption_exit_code = preemption_exit_code
-        self.abort_exit_code = abort_exit_code
+        self._check_writable()
         if writer is not None and writer_options:
             raise ValueError(
                 f"Checkpointer(writer=..., {', '.join(sorted(writer_options))}=...): give the "
@@ -183,6 +186,19 @@ class Checkpointer:
     def _ranks(self) -> resume.Ranks:
         rank = dist.get_rank(self._vote_group) if self._vote_group is not None else 0
         return resume.Ranks(rank, self._save_kwargs(), self._vote_group)
+
+    def _check_writable(self) -> None:
+        """Every rank writes in ``root``: refuse it here, on every rank, if one cannot (the
+        first save failed, and said so one call later)."""
+        problem = steps.check_writable(self.root, self._rank())
+        failing = self._ranks().failing(problem is not None)
+        if problem is not None:
+            raise problem
+        if failing:
+            raise StorageWriteError(
+                f"rank {self._rank()}: the Checkpointer root {self.root} is not writable on "
+                f"rank(s) {failing} (their error says why)"
+            )
 
     # -- saving --------------------------------------------------------------------------------
     def maybe_save(self, step: int, app_state: dict[str, Any]) -> bool:

@@ -21,7 +21,9 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 
+from ..errors import StorageWriteError
 from ..format import METADATA_NAME
 from ..storage.base import LocalStorage
 from . import retention
@@ -158,3 +160,21 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def check_writable(root: str, rank: int) -> StorageWriteError | None:
+    """Whether this rank can make ``root`` and create a file in it (what every save does);
+    the error to raise if not."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return StorageWriteError(
+            exc.errno,
+            f"rank {rank}: the Checkpointer root {root} is not writable ({exc.strerror or exc}: "
+            f"{exc.filename or root}); pass a directory this process may create and write "
+            "files in, or fix its permissions",
+        )
+    return None
