@@ -1,6 +1,6 @@
 """Checkpointer, resuming and as a new user meets it: a damaged or uncommitted newest step falls
 back to the one before, a step saved again never leaves nothing loadable, ``load(step=)``,
-arguments and the root checked at construction."""
+arguments and the root checked at construction, one summary line per save."""
 
 from __future__ import annotations
 
@@ -257,3 +257,23 @@ def test_a_root_that_cannot_be_written_is_refused_at_construction(
     with pytest.raises(StorageWriteError, match="not writable") as raised:
         Checkpointer(root, preemption_signals=())
     assert str(root) in str(raised.value)
+
+
+def test_each_committed_save_leaves_a_one_line_summary(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = _app()
+    ck = Checkpointer(tmp_path, every_steps=2, preemption_signals=())
+    assert ck.last_summary is None
+    with caplog.at_level(logging.INFO, logger=LOGGER), ck:
+        for step in (1, 2, 3, 4):
+            train_step(app, step, 1)
+            ck.maybe_save(step, {"app": app})
+        ck.wait()
+        summary = ck.last_summary
+    assert summary is not None and "\n" not in summary
+    assert summary.startswith("rank 0: step 4 committed:"), summary
+    for words in ("kB", "blocked", "safe to change after", "durable after"):
+        assert words in summary, summary
+    logged = [r.getMessage() for r in caplog.records if "committed:" in r.getMessage()]
+    assert [line.split(":")[1] for line in logged] == [" step 2 committed", " step 4 committed"]

@@ -59,6 +59,7 @@ from ..storage.base import LocalStorage
 from . import resume, steps
 from .options import ABORT_EXIT_CODE, CheckpointerOptions
 from .steps import step_dir_name
+from .summary import summary_line
 
 __all__ = ["ABORT_EXIT_CODE", "Checkpointer", "step_dir_name"]
 
@@ -96,7 +97,8 @@ class Checkpointer:
             :meth:`close`); ``writer_options`` go to the one made here.
 
     The options of its own are checked as :class:`CheckpointerOptions` (a bad one raises
-    ``ValueError`` naming it).
+    ``ValueError`` naming it). :attr:`last_summary` is one line about the newest committed
+    save on this rank, also logged at INFO.
     """
 
     def __init__(
@@ -155,6 +157,7 @@ class Checkpointer:
         self._in_flight: tuple[int, threading.Event] | None = None
         self._error: BaseException | None = None
         self._committed_step: int | None = None
+        self.last_summary: str | None = None
         self._requested = threading.Event()
         self._finished = threading.Event()  # the final checkpoint is committed (or not needed)
         self._watchdog: threading.Thread | None = None
@@ -260,6 +263,8 @@ class Checkpointer:
                     self._purge(step)
             except BaseException as e:  # noqa: BLE001 - reported once through maybe_save/wait
                 exc = e
+        if committed:
+            self._summarize(step, path)
         with self._lock:
             if committed:
                 self._committed_step = step
@@ -270,6 +275,14 @@ class Checkpointer:
             if self._in_flight is not None and self._in_flight[1] is done:
                 self._in_flight = None
         done.set()
+
+    def _summarize(self, step: int, path: str) -> None:
+        """:attr:`last_summary` and its INFO line, from the writer's figures for this save."""
+        stats = self.writer.last_stats
+        if stats is None or os.path.normpath(stats.checkpoint_id) != os.path.normpath(path):
+            return  # a writer shared with other saves has moved on
+        self.last_summary = summary_line(step, stats)
+        logger.info("%s", self.last_summary)
 
     def wait(self) -> None:
         """Wait for the save in flight (committed and ``latest`` moved); raise this rank's error
