@@ -9,6 +9,7 @@ from .checkpointers.checkpointer import Checkpointer
 from .checkpointers.tier import Tier
 from .checkpointers.tiers import TieredCheckpointer
 from .errors import (
+    CheckpointLoadError,
     CheckpointNotCommittedError,
     CheckpointSaveError,
     ChecksumMismatchError,
@@ -44,6 +45,7 @@ def __getattr__(name: str):  # type: ignore[no-untyped-def]
 
 
 __all__ = [
+    "CheckpointLoadError",
     "CheckpointNotCommittedError",
     "CheckpointSaveError",
     "Checkpointer",

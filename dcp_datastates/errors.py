@@ -118,7 +118,22 @@ class CheckpointSaveError(DataStatesError):
 
 
 class CheckpointNotCommittedError(DataStatesError, FileNotFoundError):
-    """A checkpoint directory has no ``.metadata``: its save never committed."""
+    """A checkpoint directory has no ``.metadata``: its save never committed (or, asked of
+    ``Checkpointer.load(step=)``, there is no directory for that step)."""
+
+
+class CheckpointLoadError(DataStatesError):
+    """No checkpoint could be loaded: ``Checkpointer.load_latest`` tried each committed step,
+    newest first, or ``Checkpointer.load`` the step asked for.
+
+    ``failures`` maps each step tried to why it failed. DCP reports a failed load as
+    ``CheckpointException``, a ``BaseException`` that ``except Exception`` misses; this error
+    carries it as ``__cause__``.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = failures or {}
 
 
 class ChecksumMismatchError(DataStatesError):

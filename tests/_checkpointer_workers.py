@@ -30,7 +30,7 @@ from _dist_workers import _init, run_worker  # noqa: E402
 from _signal_util import signal_from_a_thread_once_main_sleeps  # noqa: E402
 
 from dcp_datastates import DataStatesWriter  # noqa: E402
-from dcp_datastates.checkpointers.checkpointer import Checkpointer  # noqa: E402
+from dcp_datastates.checkpointers.checkpointer import Checkpointer, step_dir_name  # noqa: E402
 
 
 def say(line: str) -> None:
@@ -93,6 +93,63 @@ def train_step(app: App, step: int, world: int) -> None:
     app.optim.step()
     app.optim.zero_grad()
     app.extra["seen"] += 8
+
+
+def _names_step(checkpoint_id: str, name: str) -> bool:
+    """Whether a save goes to step ``name``: its directory, or beside it (a step saved again
+    is written to ``step_00000002.replacing``, then swapped in)."""
+    return os.path.basename(checkpoint_id.rstrip("/")).split(".")[0] == name
+
+
+class GatedWriter(DataStatesWriter):
+    """Holds the commit of one checkpoint until the test opens the gate."""
+
+    def __init__(self, *args: Any, gated_step: int, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.gated = step_dir_name(gated_step)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        if _names_step(self.checkpoint_id, self.gated):
+            self.entered.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        super().finish(metadata, results)
+
+
+class FailingWriter(DataStatesWriter):
+    """The commit of one checkpoint fails, as a full disk at commit time would."""
+
+    def __init__(self, *args: Any, failing_step: int, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.failing = step_dir_name(failing_step)
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        if _names_step(self.checkpoint_id, self.failing):
+            raise OSError(28, "injected: no space left at commit")
+        super().finish(metadata, results)
+
+
+def damage(step_dir: Path) -> None:
+    """Flip one byte in the middle of every data file of a checkpoint (its records' crc32c
+    then fail on load), as a bad disk or a torn copy would."""
+    for path in sorted(step_dir.glob("*.distcp")):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+
+class PickyApp(App):
+    """Refuses to load the state saved after ``refused_seen`` samples: a failure after DCP's
+    collectives (a ``Stateful``'s own ``load_state_dict``), which DCP tells no other rank."""
+
+    def __init__(self, *args: Any, refused_seen: int | None = None) -> None:
+        super().__init__(*args)
+        self.refused_seen = refused_seen
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd["seen"] == self.refused_seen:
+            raise ValueError(f"injected: this rank refuses the state after {sd['seen']} samples")
+        super().load_state_dict(sd)
 
 
 class BlockingWriter(DataStatesWriter):
@@ -193,7 +250,42 @@ def _train(rank: int, world: int, port: int, workdir: Path) -> dict[str, Any]:
     return report
 
 
+def _resume(rank: int, world: int, port: int, workdir: Path) -> dict[str, Any]:
+    """Save steps 1 to 3; damage step 3's data and have rank 1 alone refuse step 2's state;
+    resume. Every rank must load step 1 (DCP reports the first failure to every rank itself,
+    the second to none)."""
+    _init(rank, world, port)
+    try:
+        model = Model()
+        app = App(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        root = workdir / "ckpt"
+        ck = Checkpointer(root, every_steps=1, preemption_signals=())
+        digests = {}
+        for step in (1, 2, 3):
+            train_step(app, step, world)
+            ck.maybe_save(step, {"app": app})
+            digests[step] = digest(app)
+        ck.wait()
+        dist.barrier()  # every rank's save of step 3 is committed and `latest` names it
+        if rank == 0:
+            damage(root / step_dir_name(3))
+        dist.barrier()
+        fresh_model = Model()
+        fresh = PickyApp(
+            fresh_model,
+            torch.optim.AdamW(fresh_model.parameters(), lr=1e-2),
+            refused_seen=16 if rank == 1 else None,  # step 2's state (8 samples a step)
+        )
+        resumed = ck.load_latest({"app": fresh})
+        ck.close()
+        return {"resumed": resumed, "digest": digest(fresh), "digests": digests}
+    finally:
+        dist.destroy_process_group()
+
+
 def _scenario(scenario: str, rank: int, world: int, port: int, workdir: Path) -> dict[str, Any]:
+    if scenario == "resume":
+        return _resume(rank, world, port, workdir)
     if scenario != "train":
         raise ValueError(f"unknown scenario {scenario!r}")
     return _train(rank, world, port, workdir)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from _checkpointer_workers import App, Model, digest, train_step
+from _checkpointer_workers import App, FailingWriter, GatedWriter, Model, digest, train_step
 from _dist_workers import check_all_ok, launch
 
 from dcp_datastates import CheckpointSaveError, DataStatesWriter
@@ -104,21 +104,6 @@ def test_load_latest_without_checkpoint_returns_none(tmp_path: Path) -> None:
     assert digest(app) == before
 
 
-class GatedWriter(DataStatesWriter):
-    """Holds the commit of one checkpoint until the test opens the gate."""
-
-    def __init__(self, *args: Any, gated_step: int, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.gated = step_dir_name(gated_step)
-        self.entered, self.gate = threading.Event(), threading.Event()
-
-    def finish(self, metadata: Any, results: Any) -> None:
-        if self.checkpoint_id.rstrip("/").endswith(self.gated):
-            self.entered.set()
-            assert self.gate.wait(30), "the test never opened the gate"
-        super().finish(metadata, results)
-
-
 def test_latest_and_retention_wait_for_the_commit(tmp_path: Path) -> None:
     writer = GatedWriter(tmp_path, gated_step=4)
     app = _app()
@@ -135,19 +120,6 @@ def test_latest_and_retention_wait_for_the_commit(tmp_path: Path) -> None:
         assert ck.latest_step() == 4
         assert ck.committed_steps() == [4]
     writer.close()
-
-
-class FailingWriter(DataStatesWriter):
-    """The commit of one checkpoint fails, as a full disk at commit time would."""
-
-    def __init__(self, *args: Any, failing_step: int, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.failing = step_dir_name(failing_step)
-
-    def finish(self, metadata: Any, results: Any) -> None:
-        if self.checkpoint_id.rstrip("/").endswith(self.failing):
-            raise OSError(28, "injected: no space left at commit")
-        super().finish(metadata, results)
 
 
 def test_failed_save_is_raised_once_and_keeps_latest(tmp_path: Path) -> None:

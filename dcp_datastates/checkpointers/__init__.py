@@ -3,6 +3,9 @@
 
 ``checkpointer`` and ``tiers`` are the two; ``retention`` is the one rule both use to delete old
 committed steps; ``tier`` describes one tier and lists its steps; ``mirror`` copies a committed
-checkpoint from one storage to another.
+checkpoint from one storage to another. The ``Checkpointer``'s own parts: ``options`` (its
+validated arguments), ``steps`` (its root's step directories: listing, retention, replacing a
+committed step), ``resume`` (loading on every rank, falling back past steps that do not load),
+``summary`` (its line per save).
 May import: ``save``, ``load``, ``storage`` and the leaves.
 """

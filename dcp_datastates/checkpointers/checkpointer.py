@@ -4,6 +4,7 @@ Layout under ``root``::
 
     root/step_00000100/   a DCP checkpoint (committed once its ``.metadata`` exists)
     root/latest           the step of the newest committed checkpoint (written atomically)
+    root/step_00000100.replacing, .replaced   while a committed step is saved again (steps.py)
 
 Rules:
 
@@ -16,6 +17,11 @@ Rules:
   directory older than the newest commit that never committed (its save failed, or its process
   died: a crash, a second signal) is deleted too; one newer than it is left (the step a resumed
   run will save again).
+- Saving a step that is committed already writes beside it and swaps the new one in once it is
+  committed (``steps.py``): a committed checkpoint of that step exists throughout.
+- Resuming (``load_latest``) tries ``latest``'s step, then the older committed ones, newest
+  first, and loads the first that every rank loads (``resume.py``), logging each one passed
+  over and why.
 - Preemption: a signal (SIGTERM by default) or :meth:`Checkpointer.request_preemption` only sets
   a flag. At the next :meth:`Checkpointer.maybe_save` every rank agrees (one all-reduce) that a
   preemption is pending, finishes the save in flight, takes a final checkpoint of the current
@@ -28,42 +34,44 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
-import re
-import shutil
 import signal
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from .._concurrency import signals as _signals
 from .._concurrency.signals import wait_in_slices
-from ..errors import CheckpointNotCommittedError, CheckpointSaveError, unknown_options
-from ..format import LATEST_NAME, METADATA_NAME
-from ..load.reader import DataStatesReader
+from ..errors import CheckpointSaveError, StorageWriteError, unknown_options
+from ..format import LATEST_NAME
 from ..options import WriterOptions
 from ..save.api import async_save
 from ..save.compat import STOCK_WRITER_ARGS
 from ..save.writer import DataStatesWriter
 from ..storage.base import LocalStorage
-from . import retention
+from . import resume, steps
+from .options import ABORT_EXIT_CODE, CheckpointerOptions
+from .steps import step_dir_name
+from .summary import summary_line
+
+__all__ = ["ABORT_EXIT_CODE", "Checkpointer", "step_dir_name"]
 
 logger = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-#: Exit status when a second signal or the deadline ends the process before the final commit.
-ABORT_EXIT_CODE = 143
 
+class _Agreed(NamedTuple):
+    """What the ranks agreed at one call (:meth:`Checkpointer._agree`)."""
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
+    preempted: bool  # some rank saw a preemption
+    failed: list[int]  # the ranks holding an earlier save's error
+    replacing: bool  # rank 0 found the step to save committed already
 
 
 class Checkpointer:
@@ -71,8 +79,9 @@ class Checkpointer:
     ``keep_latest_k`` newest committed checkpoints, and save once more on preemption.
 
     Args:
-        root: Local directory holding the checkpoints (shared by all ranks).
-        every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0``.
+        root: Local directory holding the checkpoints (shared by all ranks); made if missing,
+            and refused at construction if this process cannot write in it.
+        every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0`` (an int >= 1).
         keep_latest_k: Committed checkpoints to keep; ``0`` keeps all.
         process_group: A CPU-capable group for DCP's collectives (default: a new gloo group, so
             that the save thread never shares a group with the training loop's collectives).
@@ -86,6 +95,10 @@ class Checkpointer:
             is True.
         writer: A :class:`DataStatesWriter` to reuse (default: one made here, closed by
             :meth:`close`); ``writer_options`` go to the one made here.
+
+    The options of its own are checked as :class:`CheckpointerOptions` (a bad one raises
+    ``ValueError`` naming it). :attr:`last_summary` is one line about the newest committed
+    save on this rank, also logged at INFO.
     """
 
     def __init__(
@@ -103,15 +116,18 @@ class Checkpointer:
         writer: DataStatesWriter | None = None,
         **writer_options: Any,
     ) -> None:
-        if every_steps < 1:
-            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
-        if keep_latest_k < 0:
-            raise ValueError(f"keep_latest_k must be >= 0 (0 keeps all), got {keep_latest_k}")
+        self.options = CheckpointerOptions(
+            every_steps=every_steps,
+            keep_latest_k=keep_latest_k,
+            preemption_deadline_s=preemption_deadline_s,
+            exit_on_preemption=exit_on_preemption,
+            preemption_exit_code=preemption_exit_code,
+            abort_exit_code=abort_exit_code,
+        )
         self.root = os.path.abspath(os.fspath(root))
         if "://" in os.fspath(root):
             raise ValueError(f"Checkpointer supports local directories only, got {root!s}")
-        self.every_steps = every_steps
-        self.keep_latest_k = keep_latest_k
+        vars(self).update(dataclasses.asdict(self.options))  # every_steps, keep_latest_k, ...
         distributed = dist.is_available() and dist.is_initialized()
         # Collectives on one group from two threads can pair up wrongly: DCP's save thread and
         # the training thread (the vote, the user's own collectives) each get a group of their own.
@@ -119,10 +135,7 @@ class Checkpointer:
             process_group = dist.new_group(backend="gloo")
         self.process_group = process_group
         self._vote_group = dist.new_group(backend="gloo") if distributed else None
-        self.preemption_deadline_s = preemption_deadline_s
-        self.exit_on_preemption = exit_on_preemption
-        self.preemption_exit_code = preemption_exit_code
-        self.abort_exit_code = abort_exit_code
+        self._check_writable()
         if writer is not None and writer_options:
             raise ValueError(
                 f"Checkpointer(writer=..., {', '.join(sorted(writer_options))}=...): give the "
@@ -144,6 +157,7 @@ class Checkpointer:
         self._in_flight: tuple[int, threading.Event] | None = None
         self._error: BaseException | None = None
         self._committed_step: int | None = None
+        self.last_summary: str | None = None
         self._requested = threading.Event()
         self._finished = threading.Event()  # the final checkpoint is committed (or not needed)
         self._watchdog: threading.Thread | None = None
@@ -172,6 +186,23 @@ class Checkpointer:
             return {"no_dist": True}
         return {"process_group": self.process_group}
 
+    def _ranks(self) -> resume.Ranks:
+        rank = dist.get_rank(self._vote_group) if self._vote_group is not None else 0
+        return resume.Ranks(rank, self._save_kwargs(), self._vote_group)
+
+    def _check_writable(self) -> None:
+        """Every rank writes in ``root``: refuse it here, on every rank, if one cannot (the
+        first save failed, and said so one call later)."""
+        problem = steps.check_writable(self.root, self._rank())
+        failing = self._ranks().failing(problem is not None)
+        if problem is not None:
+            raise problem
+        if failing:
+            raise StorageWriteError(
+                f"rank {self._rank()}: the Checkpointer root {self.root} is not writable on "
+                f"rank(s) {failing} (their error says why)"
+            )
+
     # -- saving --------------------------------------------------------------------------------
     def maybe_save(self, step: int, app_state: dict[str, Any]) -> bool:
         """Call once per step, after the optimizer step; returns True if a save was started.
@@ -181,11 +212,11 @@ class Checkpointer:
         """
         if self.preempted:
             return False  # the final checkpoint is committed; the loop should stop
-        preempted, failed = self._agree()
-        if preempted:
+        agreed = self._agree()
+        if agreed.preempted:
             self._final_save(step, app_state)
             return False
-        self._raise_failed(failed)
+        self._raise_failed(agreed.failed)
         if step % self.every_steps != 0:
             return False
         return self.save(step, app_state)
@@ -194,22 +225,30 @@ class Checkpointer:
         """Start an async save of ``app_state`` as ``step`` (after the one in flight ends).
 
         Call it on every rank. An earlier save's error is raised on every rank, at the same
-        call, and none saves (:meth:`_raise_failed`)."""
+        call, and none saves (:meth:`_raise_failed`).
+
+        A step committed already (a run resumed by other means saves the step ``latest``
+        names) is saved beside it and swapped in once committed (``steps.py``)."""
         self._wait_in_flight()
-        self._raise_failed(self._agree(vote_preemption=False)[1])
+        replacing = False
+        if self._rank() == 0 and step != self._committed_step:
+            steps.settle(self.root)  # what a crash left of a replacement; none is in flight
+            replacing = steps.is_committed(steps.path(self.root, step))
+        agreed = self._agree(vote_preemption=False, replacing=replacing)
+        self._raise_failed(agreed.failed)
         if step == self._committed_step:
-            return False  # already committed: re-saving would uncommit the one `latest` names
-        path = os.path.join(self.root, step_dir_name(step))
+            return False  # already committed from this state: nothing to save
+        path = steps.path(self.root, step) + (steps.REPLACING if agreed.replacing else "")
         response = async_save(app_state, self.writer, checkpoint_id=path, **self._save_kwargs())
         done = threading.Event()
         with self._lock:
             self._in_flight = (step, done)
         response.upload_completion.add_done_callback(
-            lambda f, s=step, d=done: self._on_done(s, f, d)
+            lambda f, s=step, d=done, p=path: self._on_done(s, p, f, d)
         )
         return True
 
-    def _on_done(self, step: int, fut: Future[Any], done: threading.Event) -> None:
+    def _on_done(self, step: int, path: str, fut: Future[Any], done: threading.Event) -> None:
         """Runs on DCP's save thread once the save is committed (or failed) on this rank."""
         exc = fut.exception()
         committed = exc is None
@@ -217,11 +256,15 @@ class Checkpointer:
             try:
                 if self._rank() == 0:
                     committed = False
+                    if path != steps.path(self.root, step):
+                        steps.swap_in(self.root, step)
                     LocalStorage(self.root).put_atomic(LATEST_NAME, f"{step}\n".encode(), sync=True)
                     committed = True  # `latest` names it: a retention failure leaves it so
                     self._purge(step)
             except BaseException as e:  # noqa: BLE001 - reported once through maybe_save/wait
                 exc = e
+        if committed:
+            self._summarize(step, path)
         with self._lock:
             if committed:
                 self._committed_step = step
@@ -232,6 +275,14 @@ class Checkpointer:
             if self._in_flight is not None and self._in_flight[1] is done:
                 self._in_flight = None
         done.set()
+
+    def _summarize(self, step: int, path: str) -> None:
+        """:attr:`last_summary` and its INFO line, from the writer's figures for this save."""
+        stats = self.writer.last_stats
+        if stats is None or os.path.normpath(stats.checkpoint_id) != os.path.normpath(path):
+            return  # a writer shared with other saves has moved on
+        self.last_summary = summary_line(step, stats)
+        logger.info("%s", self.last_summary)
 
     def wait(self) -> None:
         """Wait for the save in flight (committed and ``latest`` moved); raise this rank's error
@@ -272,53 +323,13 @@ class Checkpointer:
         )
 
     # -- retention -----------------------------------------------------------------------------
-    def _step_dirs(self) -> dict[int, bool]:
-        """Step directories under ``root``: step -> whether it is committed."""
-        steps = {}
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(self.root):
-                m = _STEP_DIR.match(name)
-                if m and os.path.isdir(os.path.join(self.root, name)):
-                    committed = os.path.exists(os.path.join(self.root, name, METADATA_NAME))
-                    steps[int(m.group(1))] = committed
-        return steps
-
     def committed_steps(self) -> list[int]:
         """Steps of the committed checkpoints under ``root``, oldest first."""
-        return sorted(step for step, committed in self._step_dirs().items() if committed)
+        return sorted(step for step, committed in steps.listing(self.root).items() if committed)
 
     def _purge(self, newest: int) -> None:
-        if self.keep_latest_k == 0:
-            return
-        done = retention.delete_expired(
-            [s for s in self.committed_steps() if s <= newest],
-            self.keep_latest_k,
-            self._delete_step,
-            errors=OSError,  # the others are still deleted (one stuck step held all)
-            on_error=self._on_delete_error,
-        )
-        # Older than the newest commit and never committed: no save is in flight when retention
-        # runs, so these saves failed or their process died.
-        for step, committed in sorted(self._step_dirs().items()):
-            if step < newest and not committed:
-                path = os.path.join(self.root, step_dir_name(step))
-                logger.warning("deleting %s: its save never committed (it failed or died)", path)
-                shutil.rmtree(path, ignore_errors=True)
-        if done.failed:
-            raise done.failed[0][1]
-
-    def _delete_step(self, step: int) -> None:
-        path = os.path.join(self.root, step_dir_name(step))
-        logger.info("keep_latest_k=%d: deleting checkpoint %s", self.keep_latest_k, path)
-        retention.delete_checkpoint(LocalStorage(path), missing_ok=False)
-
-    def _on_delete_error(self, step: int, exc: Exception) -> None:
-        path = os.path.join(self.root, step_dir_name(step))
-        logger.error("keep_latest_k: could not delete checkpoint %s: %s", path, exc)
-        exc.add_note(
-            f"keep_latest_k={self.keep_latest_k} could not delete {path}; the other "
-            "old checkpoints were deleted. Remove it by hand (or fix its permissions)."
-        )
+        if self.keep_latest_k:
+            steps.purge(self.root, newest, self.keep_latest_k)
 
     # -- loading -------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -330,26 +341,38 @@ class Checkpointer:
             return None
 
     def load_latest(self, app_state: dict[str, Any], **reader_options: Any) -> int | None:
-        """Load the newest committed checkpoint into ``app_state``; returns its step, or None
-        (nothing loaded) if there is none. Rank 0 decides and every rank loads that step."""
-        step = self.latest_step() if self._rank() == 0 else None
-        if step is None and self._rank() == 0:
-            committed = self.committed_steps()  # committed, but killed before `latest` moved
-            step = committed[-1] if committed else None
-        if self._dist():
-            box = [step]
-            dist.broadcast_object_list(box, group_src=0, group=self._vote_group)
-            step = box[0]
-        if step is None:
-            return None
-        path = os.path.join(self.root, step_dir_name(step))
-        if not os.path.exists(os.path.join(path, METADATA_NAME)):
-            raise CheckpointNotCommittedError(
-                f"rank {self._rank()}: {path} (step {step}, named by {LATEST_NAME}) has no "
-                f"{METADATA_NAME}; is {self.root} shared by all ranks?"
-            )
-        reader = DataStatesReader(path, **reader_options)
-        dcp.load(app_state, storage_reader=reader, **self._save_kwargs())
+        """Load the newest checkpoint that loads into ``app_state``; returns its step, or None
+        (nothing loaded) if there is no committed one.
+
+        Tries the step ``latest`` names, then the older committed ones, newest first: one that
+        is damaged or not committed is passed over, with a warning saying why. All ranks load
+        the same step (rank 0 picks the order; they agree on each try). If none loads, raises
+        :class:`~dcp_datastates.CheckpointLoadError` listing each step tried and why."""
+        self._wait_in_flight()  # DCP's collectives of a save and a load must not interleave
+        order: list[int] = []
+        if self._rank() == 0:
+            try:
+                latest = self.latest_step()
+            except (OSError, ValueError) as exc:
+                logger.warning("rank 0: %s is unreadable (%s): ignoring it", LATEST_NAME, exc)
+                latest = None
+            older = [s for s in self.committed_steps() if latest is None or s < latest]
+            order = ([] if latest is None else [latest]) + older[::-1]
+        step = resume.load_newest(self.root, order, app_state, reader_options, self._ranks())
+        if step is not None:
+            self._committed_step = step
+        return step
+
+    def load(self, app_state: dict[str, Any], *, step: int, **reader_options: Any) -> int:
+        """Load the checkpoint of ``step`` into ``app_state`` on every rank; returns ``step``.
+
+        Raises :class:`~dcp_datastates.CheckpointNotCommittedError` listing the committed steps
+        if it has none, and :class:`~dcp_datastates.CheckpointLoadError` if it does not load
+        (no fallback: that step was asked for). ``latest`` does not move."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be an int >= 0: one of committed_steps()")
+        self._wait_in_flight()
+        resume.load_step(self.root, step, app_state, reader_options, self._ranks())
         self._committed_step = step
         return step
 
@@ -380,23 +403,24 @@ class Checkpointer:
             )
             os._exit(self.abort_exit_code)
 
-    def _agree(self, *, vote_preemption: bool = True) -> tuple[bool, list[int]]:
+    def _agree(self, *, vote_preemption: bool = True, replacing: bool = False) -> _Agreed:
         """One all-reduce on the vote group: whether any rank saw a preemption (acted on by
-        all, at the same step), and the ranks holding an earlier save's error (raised by all,
-        :meth:`_raise_failed`)."""
+        all, at the same step), the ranks holding an earlier save's error (raised by all,
+        :meth:`_raise_failed`), and whether the step to save is committed already (rank 0's
+        ``replacing``: every rank must save to the same directory)."""
         flag = vote_preemption and self._requested.is_set()
         with self._lock:
             failed = self._error is not None
         if not self._dist():
-            return flag, [0] if failed else []
+            return _Agreed(flag, [0] if failed else [], replacing)
         group = self._vote_group
-        t = torch.zeros(1 + dist.get_world_size(group), dtype=torch.uint8)
-        t[0] = int(flag)
-        t[1 + dist.get_rank(group)] = int(failed)
+        t = torch.zeros(2 + dist.get_world_size(group), dtype=torch.uint8)
+        t[0], t[1] = int(flag), int(replacing)
+        t[2 + dist.get_rank(group)] = int(failed)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         if t[0] and not flag:
             self.request_preemption()
-        return bool(t[0]), [int(r) for r in t[1:].nonzero().flatten().tolist()]
+        return _Agreed(bool(t[0]), [int(r) for r in t[2:].nonzero().flatten().tolist()], bool(t[1]))
 
     def _final_save(self, step: int, app_state: dict[str, Any]) -> None:
         logger.warning("preemption: final checkpoint of step %d in %s", step, self.root)
