@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from _dist_workers import check_all_ok, launch
 from _s3_server import Fault, S3Env
 
-from dcp_datastates import DataStatesReader
+from dcp_datastates import CheckpointLoadError, DataStatesReader
 from dcp_datastates.checkpointers.tiers import MirrorError, Tier, TieredCheckpointer
 from dcp_datastates.format import METADATA_NAME
 
@@ -156,6 +156,26 @@ def test_restart_loads_the_newest_step_from_the_fastest_tier_holding_it(
         assert torch.equal(out["w"], _state(3)["w"]) and int(out["step"]) == 3
     finally:
         restarted.close()
+
+
+def test_a_damaged_step_fails_the_load_with_an_exception_naming_the_step_and_tier(
+    tmp_path: Path, s3: S3Env
+) -> None:
+    """DCP reports a failed load as ``CheckpointException``, a ``BaseException`` that
+    ``except Exception`` misses: the tiered load raises ``CheckpointLoadError`` instead."""
+    tiers = _tiers(tmp_path, s3, keep_local=5)
+    try:
+        tiers.save(_state(1), 1).remote.result(TIMEOUT)
+        data = next((tmp_path / "local" / "step-1").glob("*.distcp"))
+        raw = bytearray(data.read_bytes())
+        raw[-64] ^= 0xFF  # inside the last record's bytes: its checksum no longer holds
+        data.write_bytes(bytes(raw))
+        with pytest.raises(CheckpointLoadError) as raised:
+            tiers.load(_state(0), step=1)
+        assert "step 1" in str(raised.value) and "step-1" in str(raised.value)
+        assert isinstance(raised.value.__cause__, dcp.CheckpointException)
+    finally:
+        tiers.close()
 
 
 def test_tier_refuses_a_bad_keep() -> None:

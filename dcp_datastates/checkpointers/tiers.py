@@ -44,12 +44,13 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..errors import WriterUsageError
+from ..errors import CheckpointLoadError, WriterUsageError
 from ..format import METADATA_NAME
 from ..load.reader import DataStatesReader
 from ..save.api import async_save
 from ..save.writer import DataStatesWriter
 from .mirror import MirrorError, Superseded, copy_checkpoint, digest, read_all
+from .resume import why
 from .retention import InUse, delete_checkpoint, delete_expired
 from .tier import Tier
 
@@ -328,6 +329,13 @@ class TieredCheckpointer:
                 tier.path(step), storage_options=tier.storage_options, **reader_options
             )
             dcp.load(state_dict, storage_reader=reader, process_group=self.process_group)
+        except (Exception, dcp.CheckpointException) as exc:  # the latter is a BaseException
+            raise CheckpointLoadError(
+                f"rank {self.rank}: loading step {step} from {tier.url} failed: {why(exc)}; "
+                f"`dcp-datastates verify {tier.path(step)}` checks its data, and "
+                "load(state_dict, step=...) loads another step",
+                {step: why(exc)},
+            ) from exc
         finally:
             self._protect(tier, step, -1)
         return step
