@@ -24,6 +24,7 @@ from conftest import (
 )
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from dcp_datastates import (
     CheckpointSaveError,
@@ -32,6 +33,7 @@ from dcp_datastates import (
     SnapshotMutationError,
     async_save,
 )
+from dcp_datastates._platform import dispatch
 from dcp_datastates.format import METADATA_NAME
 from dcp_datastates.providers.tensor import TensorProvider
 from dcp_datastates.snapshot import cow
@@ -250,29 +252,63 @@ def test_the_mode_is_pushed_by_the_save_and_leaves_at_the_next_step_once_copied(
     response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
 
 
+class _Counting(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        self.seen += 1
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_mode_the_caller_pushes_after_ours_keeps_its_place(
     tmp_path: Path, make_writer: Any, gate: threading.Event
 ) -> None:
-    """Ours is popped only when it is the innermost mode: a profiler-like mode entered inside
-    the snapshot window exits normally, and ours leaves at a later hook."""
-    seen: list[str] = []
-
-    class Counting(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-            seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
+    """Ours leaves from under a mode entered inside the snapshot window: the caller's mode
+    stays innermost, keeps counting, and pops itself at its exit."""
     weight = nn.Parameter(torch.randn(N), requires_grad=False)
     at_call = {"w": weight.detach().clone()}
     response = async_save({"w": weight}, make_writer(tmp_path), no_dist=True)
-    with Counting():
+    with _Counting() as counting:
         weight.data.add_(1.0)
         gate.set()
         response.staging_completion.result(timeout=EVENT_TIMEOUT_S)
-        assert not cow.settle()  # theirs is innermost: ours stays below it
-    assert seen and cow.active()
-    assert cow.settle() and not cow.active()
+        assert cow.settle() and not cow.active()
+        assert dispatch.stack() == [counting]
+        before = counting.seen
+        torch.ones(2).add_(1.0)
+        assert counting.seen == before + 2
+    assert dispatch.stack() == []
     _commits_the_call_state(tmp_path, {"w": torch.zeros(N)}, at_call, response)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [_Counting, lambda: FlopCounterMode(display=False)],
+    ids=["counting", "flop-counter"],
+)
+def test_a_mode_entered_before_the_save_and_left_after_it_pops_its_own(
+    tmp_path: Path, make_writer: Any, mode: Any
+) -> None:
+    """A ``with FlopCounterMode():`` around a training step that saves: its exit pops the
+    innermost mode, which must be its own (ours goes under it), and the next saves still copy
+    on write (a user sweep: its exit popped ours, left its own pushed for good, and every later
+    write failed the save)."""
+    writer = make_writer(tmp_path, guard_optimizer_step=False, eager_copy_bytes=0)
+    weight = torch.randn(N)
+    for i in range(2):
+        at_call = {"w": weight.clone()}
+        with mode():
+            response = async_save(
+                {"w": weight}, writer, checkpoint_id=str(tmp_path / f"s{i}"), no_dist=True
+            )
+        assert dispatch.stack() == [] or cow.active() and len(dispatch.stack()) == 1
+        with torch.no_grad():
+            weight.mul_(2.0)
+        _commits_the_call_state(tmp_path / f"s{i}", {"w": torch.zeros(N)}, at_call, response)
+        cow.settle()
+        assert dispatch.stack() == []
 
 
 def test_without_copy_on_write_no_mode_is_pushed(tmp_path: Path, make_writer: Any) -> None:
@@ -281,3 +317,34 @@ def test_without_copy_on_write_no_mode_is_pushed(tmp_path: Path, make_writer: An
     response = async_save({"w": torch.randn(N)}, writer, no_dist=True)
     assert not cow.active()
     response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("saves", [1, 3], ids=["walked", "replayed"])
+def test_a_storage_swapped_after_the_call_leaves_the_snapshot_alone(
+    tmp_path: Path, make_writer: Any, saves: int
+) -> None:
+    """``x.data = other`` and ``torch.utils.swap_tensors`` change no bytes: they give the
+    caller's tensor object another storage, which copy-on-write cannot see. ``stage()`` aliases
+    every tensor it records, so the snapshot keeps the storage of the call (a user sweep: a
+    buffer saved with ``keep_vars=True`` and swapped right after committed the new values)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 2048), nn.BatchNorm1d(2048))
+    model(torch.randn(8, 64))
+    plain = torch.randn(N)
+    writer = make_writer(tmp_path, guard_optimizer_step=False)
+    for i in range(saves):
+        state = {"model": model.state_dict(keep_vars=True), "plain": plain}
+        at_call = {
+            "model": {k: v.detach().clone() for k, v in state["model"].items()},
+            "plain": plain.clone(),
+        }
+        path = tmp_path / f"s{i}"
+        response = async_save(state, writer, checkpoint_id=str(path), no_dist=True)
+        model[1].running_mean.data = torch.randn(2048)  # a buffer, not a parameter
+        model[0].weight.data = torch.randn(2048, 64)
+        torch.utils.swap_tensors(plain, torch.randn(N))
+        response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+        loaded = load_like(path, at_call, "stock")
+        assert torch.equal(loaded["plain"], at_call["plain"])
+        for key, value in at_call["model"].items():
+            assert torch.equal(loaded["model"][key], value), (i, key)

@@ -188,9 +188,13 @@ def test_capture_records_versions_and_copies_the_structure() -> None:
     state = {"model": {"w": w}, "optim": {"state": {0: {"m": w}}, "groups": [{"betas": (0.9,)}]}}
     captured = capture(state)
     assert captured is not None
-    assert captured.versions == {id(w): w._version}
-    assert captured.state == state and captured.state["model"] is not state["model"]
-    assert captured.state["model"]["w"] is w
+    alias, again = captured.state["model"]["w"], captured.state["optim"]["state"][0]["m"]
+    assert captured.versions == {id(alias): w._version, id(again): w._version}
+    assert captured.state["optim"]["groups"] == state["optim"]["groups"]
+    assert captured.state["model"] is not state["model"]
+    assert alias is not w and alias.data_ptr() == w.data_ptr()  # an alias made at the call
+    w.data = torch.zeros(3)  # another storage for w: the capture keeps the one of the call
+    assert torch.equal(alias, torch.full((3,), 2.0))
 
 
 @pytest.mark.parametrize(
@@ -215,7 +219,7 @@ def test_capture_copies_small_tensors_eagerly_when_asked() -> None:
     small, big = torch.ones(4), torch.ones(4096)
     captured = capture({"s": small, "b": big}, eager_bytes=64)
     assert captured is not None and captured.eager_bytes == 16
-    assert captured.state["b"] is big and captured.state["s"] is not small
+    assert captured.state["b"].data_ptr() == big.data_ptr() and captured.state["s"] is not small
     small.add_(1.0)
     assert torch.equal(captured.state["s"], torch.ones(4))
 

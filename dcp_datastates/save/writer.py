@@ -67,6 +67,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from .. import _dcp_private
 from .._concurrency.futures import RelayFuture
 from ..errors import InvalidStateDictError, WriterUsageError
+from ..snapshot import cow as _cow
 from ..stats import SaveStats
 from ..storage import localfile
 from . import commit as _commit
@@ -234,6 +235,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._staging.forget()
         self._global_plans.forget()
         self._finalizer.detach()
+        _cow.settle()  # this thread's copy-on-write mode, if nothing else is in flight
 
     @property
     def closed(self) -> bool:
@@ -350,6 +352,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         staged = self.staging_future
         if staged is not None:
             staged.result()
+        _cow.settle()
 
     @property
     def staging_future(self) -> Future[None] | None:

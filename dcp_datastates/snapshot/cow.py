@@ -148,12 +148,18 @@ def before_write(tensors: Sequence[torch.Tensor], what: Any = "a write") -> None
 
 
 def activate() -> None:
-    """Push the mode on the calling thread (``stage()``'s), unless it is there already."""
+    """Put the mode on the calling thread's stack (``stage()``'s), under any mode the caller
+    entered, unless it is there already; not inside torch's own tracing."""
     global _active
-    if getattr(_local, "mode", None) is not None:
+    mode = getattr(_local, "mode", None)
+    if mode is not None:
+        if any(m is mode for m in dispatch.stack()):
+            return
+        _forget_mode()  # something popped it (torch.utils._python_dispatch's own helpers)
+    if dispatch.in_tracing():
         return
     mode = _CopyOnWrite()
-    dispatch.push(mode)
+    dispatch.push_under(mode)
     _local.mode = mode
     with _lock:
         _active += 1
@@ -163,16 +169,20 @@ def activate() -> None:
 
 
 def settle() -> bool:
-    """Pop this thread's mode if no snapshot is in flight and it is the innermost mode (one the
-    caller pushed after ours stays above it: ours is then popped at a later call). Returns
-    whether this thread is now free of it."""
-    global _active
+    """Take this thread's mode off its stack if no snapshot is in flight (modes the caller
+    entered stay, in their order). Returns whether this thread is now free of it."""
     mode = getattr(_local, "mode", None)
     if mode is None:
         return True
-    if forward_gate.in_flight() or dispatch.innermost() is not mode:
+    if forward_gate.in_flight():
         return False
-    dispatch.pop()
+    dispatch.remove(mode)
+    _forget_mode()
+    return True
+
+
+def _forget_mode() -> None:
+    global _active
     _local.mode = None
     with _lock:
         _active -= 1
@@ -180,7 +190,6 @@ def settle() -> bool:
             for handle in _hooks:
                 handle.remove()
             _hooks.clear()
-    return True
 
 
 def _settle_hook(*_args: Any) -> None:

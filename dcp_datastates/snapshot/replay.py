@@ -60,7 +60,7 @@ import torch
 
 from ..providers import _REGISTRY
 from ..providers.tensor import PROBE_AT_CALL_BYTES, probe
-from .capture import _PLAIN, _SCALARS, Capture, alias, capture, keep_attributes
+from .capture import _PLAIN, _SCALARS, Capture, capture, keep_attributes
 from .device import chosen
 from .hostmem import zeroed
 
@@ -70,6 +70,7 @@ _dtype = attrgetter("dtype")
 _nbytes = attrgetter("nbytes")
 _is_cpu = attrgetter("is_cpu")
 _version = attrgetter("_version")
+_detach = torch.Tensor.detach
 _SCALAR_SET = frozenset(_SCALARS)
 #: Sets the grad mode without ``torch.set_grad_enabled``'s frames (it is a class; its
 #: ``__init__`` reads the mode back), on the caller.
@@ -118,9 +119,6 @@ class _Record:
         self.big_nbytes: list[int] = []
         #: Indices into ``big`` of the tensors probed in ``stage()`` (``PROBE_AT_CALL_BYTES``).
         self.probed: list[int] = []
-        #: Indices into ``big`` of parameters (``state_dict(keep_vars=True)``): aliased in
-        #: ``stage()`` (``capture.alias``).
-        self.params: list[int] = []
         self.scalars: set[int] = set()
         self.eager_bytes = 0
         #: Per group, the buffer the next save stacks into: allocated and faulted in on the
@@ -205,7 +203,6 @@ def _learn(state_dict: Mapping[Any, Any], eager_limit: int) -> _Record | None:
         )
         start = end
     rec.probed = [i for i, n in enumerate(rec.big_nbytes) if n >= PROBE_AT_CALL_BYTES]
-    rec.params = [i for i, pos in enumerate(rec.big) if rec.types[pos] is torch.nn.Parameter]
     rec.group_kinds = list(groups)
     rec.groups = list(groups.values())
     rec.small = [pos for group in rec.groups for pos in group]
@@ -293,9 +290,10 @@ class CaptureCache:
             probed = set(rec.probed)
             if any(n >= PROBE_AT_CALL_BYTES and i not in probed for i, n in enumerate(sizes)):
                 return None  # the walk probes it, and learns the layout again
-        for i in rec.params:
-            pos = rec.big[i]
-            big[i] = values[pos] = alias(big[i])
+        # Aliases made now hold each tensor's storage at the call: a `.data = other` or
+        # `torch.utils.swap_tensors` afterwards reaches the caller's object, not the snapshot
+        # (``capture.alias``). The planning thread puts them in place of the originals.
+        aliases = list(map(_detach, big))
         # The big ones' bytes sampled before the caller can write them (the planning thread's
         # samples may come after an in-place op started: providers.tensor.probe_offsets).
         probes = {id(t): probe(t, t.nbytes) for t in map(big.__getitem__, rec.probed)}
@@ -303,7 +301,7 @@ class CaptureCache:
         if stacks is None:
             return None
         captured = Capture({}, {}, len(rec.small) + len(big), rec.eager_bytes, probes=probes)
-        captured.finish = lambda: _build(rec, values, stacks, big, versions)
+        captured.finish = lambda: _build(rec, values, stacks, aliases, versions)
         captured.sizes_held = lambda: sizes == rec.big_nbytes
         captured.source = state_dict
         captured.replayed = True
@@ -391,8 +389,14 @@ def _build(
     versions: list[int],
 ) -> tuple[dict[str, Any], dict[int, int], set[int]]:
     """On the planning thread: the structure copy, versions and private copies the walk would
-    have recorded; an eager copy is a row of its group's stacked copy."""
+    have recorded; an eager copy is a row of its group's stacked copy; ``big`` are the aliases
+    ``stage()`` made of the other tensors."""
     recorded = {id(t): v for t, v in zip(big, versions, strict=True)}
+    for pos, made in zip(rec.big, big, strict=True):
+        live = values[pos]
+        if live.requires_grad:  # DCP's metadata records it (capture.alias)
+            made.requires_grad_()
+        values[pos] = keep_attributes(made, live)
     private: set[int] = set()
     for positions, stacked in zip(rec.groups, stacks, strict=True):
         version = stacked._version  # private: nothing wrote it since the copy
