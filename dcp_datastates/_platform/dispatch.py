@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
 from torch.utils._python_dispatch import (
+    _disable_current_modes,
     _get_current_dispatch_mode,
     _pop_mode,
     _push_mode,
 )
 
-__all__ = ["DispatchMode", "innermost", "pop", "push"]
+__all__ = ["DispatchMode", "disabled", "innermost", "pop", "push", "remove"]
+
+#: A block in which the calling thread's dispatch modes are off (``with disabled(): ...``).
+disabled = _disable_current_modes
 
 
 def push(mode: DispatchMode) -> None:
@@ -33,3 +37,16 @@ def pop() -> DispatchMode:
 def innermost() -> DispatchMode | None:
     """The calling thread's innermost dispatch mode, if any."""
     return _get_current_dispatch_mode()
+
+
+def remove(mode: DispatchMode) -> None:
+    """Take ``mode`` off the calling thread's stack wherever it is, keeping the modes pushed
+    after it in their order (one pushed inside a block may outlive it, as copy-on-write's
+    does: the simulated GPU's mode, ``snapshot/device_fake``, leaves from under it)."""
+    above = []
+    while (top := _get_current_dispatch_mode()) is not None and top is not mode:
+        above.append(_pop_mode())
+    if top is mode:
+        _pop_mode()
+    for other in reversed(above):
+        _push_mode(other)

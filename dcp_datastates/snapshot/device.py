@@ -3,7 +3,7 @@
 The engine talks to a small interface so that its gating logic is the same on every device and can
 be tested without a GPU (``device_fake.py``)::
 
-    gate(devices)            training thread, in stage(): mark "the state is produced" on every
+    gate(providers)          training thread, in stage(): mark "the state is produced" on every
                              producing stream (an event per stream); returns the gate
     copy(parts, dst, gate)   copy worker: enqueue the piece's copies after the gate; returns a
                              Completion, or None when the bytes are already in ``dst``
@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .._platform.cuda import TORCH_CUDA, Runtime
 from ..providers import StateProvider
 
 #: (provider, source byte start, source byte stop, offset inside the piece)
@@ -86,7 +87,10 @@ class CopyDevice(Protocol):
     #: copies are finished when :meth:`copy` returns (no completion tracking needed)
     synchronous: bool
 
-    def gate(self, devices: set[torch.device]) -> Any: ...
+    def gate(self, providers: Sequence[StateProvider]) -> Any:
+        """On the training thread, in stage(): mark "the state is produced" on every stream that
+        produces the providers' sources."""
+        ...
 
     def copy(self, parts: Sequence[Part], dst: torch.Tensor, gate: Any) -> Completion | None: ...
 
@@ -100,21 +104,12 @@ def source_of(provider: StateProvider) -> torch.Tensor | None:
     return source if isinstance(source, torch.Tensor) else None
 
 
-def devices_of(providers: Sequence[StateProvider]) -> set[torch.device]:
-    found: set[torch.device] = set()
-    for provider in providers:
-        source = source_of(provider)
-        if source is not None and source.device.type != "cpu":
-            found.add(source.device)
-    return found
-
-
 class CpuDevice:
     """The direct copy: the provider copies its bytes on the calling (copy worker) thread."""
 
     synchronous = True
 
-    def gate(self, devices: set[torch.device]) -> None:
+    def gate(self, providers: Sequence[StateProvider]) -> None:
         return None
 
     def copy(self, parts: Sequence[Part], dst: torch.Tensor, gate: Any) -> None:
@@ -141,7 +136,8 @@ def source_bytes(
 
 
 class _CudaCompletion:
-    def __init__(self, events: list[tuple[int, torch.cuda.Event]]) -> None:
+    def __init__(self, runtime: Runtime, events: list[tuple[int, Any]]) -> None:
+        self.runtime = runtime
         self.events = events
 
     def query(self) -> bool:
@@ -153,7 +149,7 @@ class _CudaCompletion:
 
     def fence(self) -> bool:
         for index, event in self.events:
-            torch.cuda.current_stream(index).wait_event(event)
+            self.runtime.current_stream(index).wait_event(event)
         return True
 
 
@@ -162,51 +158,58 @@ class CudaDevice:
 
     ``coalesce`` merges the consecutive small CUDA parts of one piece into one ``torch.cat`` on the
     copy stream (padding included, so the result has the piece's layout) and one device-to-host
-    copy, instead of one launch per tensor.
+    copy, instead of one launch per tensor. Every CUDA call goes through ``runtime``
+    (``_platform.cuda.Runtime``): torch's by default, a simulated GPU in tests
+    (``device_fake.FakeCuda``).
     """
 
     synchronous = False
 
-    def __init__(self, *, coalesce: bool = True) -> None:
+    def __init__(self, *, coalesce: bool = True, runtime: Runtime | None = None) -> None:
         self.coalesce = coalesce
-        self._streams: dict[int, torch.cuda.Stream] = {}
+        self.runtime: Runtime = runtime if runtime is not None else TORCH_CUDA
+        self._streams: dict[int, Any] = {}
         self._pads: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    def _stream(self, index: int) -> torch.cuda.Stream:
+    def _stream(self, index: int) -> Any:
         with self._lock:
             stream = self._streams.get(index)
             if stream is None:
-                stream = self._streams[index] = torch.cuda.Stream(device=index)
+                stream = self._streams[index] = self.runtime.new_stream(index)
                 # No kernel: gap bytes are never read, so the pad needs no ordering.
-                self._pads[index] = torch.empty(64, dtype=torch.uint8, device=index)
+                self._pads[index] = self.runtime.empty(64, index)
             return stream
 
-    def gate(self, devices: set[torch.device]) -> dict[int, list[torch.cuda.Event]]:
-        """Record an event on each device's current stream and on the extra producing streams."""
-        events: dict[int, list[torch.cuda.Event]] = {}
-        streams = [torch.cuda.current_stream(d) for d in devices if d.type == "cuda"]
-        streams += [s for s in extra_producing_streams() if isinstance(s, torch.cuda.Stream)]
+    def gate(self, providers: Sequence[StateProvider]) -> dict[int, list[Any]]:
+        """Record an event on the current stream of each device the providers' sources are on,
+        and on the extra producing streams."""
+        rt = self.runtime
+        events: dict[int, list[Any]] = {}
+        devices = {rt.device_of(s) for p in providers if (s := source_of(p)) is not None}
+        streams = [rt.current_stream(d) for d in sorted(d for d in devices if d is not None)]
+        streams += [s for s in extra_producing_streams() if rt.is_stream(s)]
         for stream in streams:
-            event = torch.cuda.Event()
+            event = rt.new_event()
             event.record(stream)
-            events.setdefault(stream.device.index, []).append(event)
+            events.setdefault(stream.device_index, []).append(event)
         return events
 
     def copy(
-        self, parts: Sequence[Part], dst: torch.Tensor, gate: dict[int, list[torch.cuda.Event]]
+        self, parts: Sequence[Part], dst: torch.Tensor, gate: dict[int, list[Any]]
     ) -> _CudaCompletion | None:
         groups: dict[int, list[tuple[int, torch.Tensor]]] = {}
         host: list[Part] = []
         for i, part in enumerate(parts):
             source = source_of(part[0])
-            if source is not None and source.is_cuda:
-                groups.setdefault(source.device.index, []).append((i, source))
+            index = self.runtime.device_of(source) if source is not None else None
+            if source is not None and index is not None:
+                groups.setdefault(index, []).append((i, source))
             else:
                 host.append(part)
         events = [self._enqueue(index, group, parts, dst, gate) for index, group in groups.items()]
         CPU.copy(host, dst, None)  # host parts never overlap the device parts' bytes
-        return _CudaCompletion(events) if events else None
+        return _CudaCompletion(self.runtime, events) if events else None
 
     def _enqueue(
         self,
@@ -214,10 +217,11 @@ class CudaDevice:
         group: list[tuple[int, torch.Tensor]],
         parts: Sequence[Part],
         dst: torch.Tensor,
-        gate: dict[int, list[torch.cuda.Event]],
-    ) -> tuple[int, torch.cuda.Event]:
+        gate: dict[int, list[Any]],
+    ) -> tuple[int, Any]:
+        rt = self.runtime
         stream = self._stream(index)
-        with torch.cuda.device(index), torch.cuda.stream(stream):
+        with rt.on(index, stream):
             try:
                 for event in gate.get(index, ()):
                     stream.wait_event(event)
@@ -230,8 +234,8 @@ class CudaDevice:
                         src = source_bytes(provider, source_of(provider), start, stop)
                         dst[at : at + stop - start].copy_(src, non_blocking=True)
                 for _, source in group:
-                    source.record_stream(stream)  # not reused by the allocator before the copy
-                done = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, not spins
+                    rt.keep(source, stream)  # not reused by the allocator before the copy
+                done = rt.new_event(blocking=True)  # the waiting thread sleeps, not spins
                 done.record(stream)
             except BaseException:
                 stream.synchronize()  # nothing may still write into the pool block
@@ -300,7 +304,6 @@ __all__ = [
     "CopyDevice",
     "CpuDevice",
     "CudaDevice",
-    "devices_of",
     "for_providers",
     "producing_streams",
     "use_device",

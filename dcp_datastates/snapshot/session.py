@@ -50,7 +50,7 @@ from .._concurrency.latch import Latch
 from ..errors import SnapshotAbortedError
 from ..providers import StateProvider
 from ..providers.tensor import host_copy
-from .device import CPU, CopyDevice, devices_of, for_providers
+from .device import CPU, CopyDevice, for_providers
 from .pieces import (
     ADMITTED,
     COPIED,
@@ -147,9 +147,7 @@ class SnapshotSession:
         # On the training thread, in stage(): everything queued so far on the producing streams
         # is what the snapshot copies; the copy streams wait on these events.
         self.gate: Any = (
-            None
-            if self.device.synchronous
-            else self.device.gate(devices_of(list(self.providers.values())))
+            None if self.device.synchronous else self.device.gate(list(self.providers.values()))
         )
 
     # -- planning --------------------------------------------------------------------------
