@@ -48,7 +48,6 @@ SMALL_POOL = {"host_pool_bytes": MiB, "chunk_bytes": 64 * 1024, "coalesce_bytes"
 
 #: What the simulated device found before the fixes (issue 38); removed with each fix.
 ITEM_4 = pytest.mark.xfail(strict=True, reason="issue 38 item 4: a second fence aborts the save")
-ITEM_5 = pytest.mark.xfail(strict=True, reason="issue 38 item 5: copies read unmade clones")
 #: (passes when the scaler's synchronizations happen to let the copies finish before a step)
 ITEM_4_OFTEN = pytest.mark.xfail(strict=False, reason="issue 38 item 4, when copies still run")
 
@@ -262,6 +261,30 @@ def test_a_fence_orders_later_changes_and_checks_earlier_ones(
         dirty.wait(dirty.slices["torn"][0])
 
 
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("marked", [True, False], ids=["after_freeze", "unmarked"])
+def test_a_part_frozen_after_its_copy_was_enqueued_is_copied_again_after_the_clone(
+    engine: _Engine, order: str, marked: bool
+) -> None:
+    fake = FakeCuda(order=order)
+    values = {f"t{i}": fake.to_device(torch.full((100,), float(i))) for i in range(4)}
+    expected = {key: _bytes(fake.to_host(value)) for key, value in values.items()}
+    session = engine.session(values, fake.device())  # one piece: one coalesced copy
+    _enqueued(session)
+    frozen = [session.providers["t1"], session.providers["t3"]]
+    with fake.active():  # copy-on-write: a private copy, then the write
+        for provider in frozen:
+            provider.freeze()
+        if marked:
+            session.after_freeze(frozen)
+        values["t1"].fill_(-1.0)  # nothing orders these after the copy already enqueued
+        values["t3"].fill_(-3.0)
+    fake.run_until(session.staged, lazy=True)
+
+    assert {key: _read(session, key) for key in values} == expected  # t2 not padded over
+    assert fake.d2h_copies == 3  # the piece, then t1 and t3 again from their clones
+
+
 def test_a_cpu_session_never_fences() -> None:
     pool = HostPool(MiB)
     session = SnapshotSession(
@@ -383,7 +406,7 @@ def test_a_copy_error_reaches_the_save_future_and_the_pool_drains(
         assert pool_drains(writer)
 
 
-@pytest.mark.parametrize("order", [pytest.param(COPIES_FIRST, marks=ITEM_5), COMPUTE_FIRST])
+@pytest.mark.parametrize("order", ORDERS)
 def test_small_tensors_copied_in_stage_are_read_after_their_copy_was_made(
     tmp_path: Path, make_writer, order: str
 ) -> None:
@@ -406,7 +429,7 @@ def test_small_tensors_copied_in_stage_are_read_after_their_copy_was_made(
     assert gpu.violations == []
 
 
-@pytest.mark.parametrize("order", [pytest.param(COPIES_FIRST, marks=ITEM_5), COMPUTE_FIRST])
+@pytest.mark.parametrize("order", ORDERS)
 def test_buffers_the_forward_copies_while_the_snapshot_runs_are_read_after_that_copy(
     tmp_path: Path, make_writer, order: str
 ) -> None:

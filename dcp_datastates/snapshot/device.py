@@ -5,8 +5,11 @@ be tested without a GPU (``device_fake.py``)::
 
     gate(providers)          training thread, in stage(): mark "the state is produced" on every
                              producing stream (an event per stream); returns the gate
-    copy(parts, dst, gate)   copy worker: enqueue the piece's copies after the gate; returns a
-                             Completion, or None when the bytes are already in ``dst``
+    after_freeze(tensors)    training thread, right after ``freeze()`` queued private copies
+                             (clones) of live tensors: mark "these copies are made"
+    copy(parts, dst, gate)   copy worker: enqueue the piece's copies after the gate (and after
+                             the clones they read); returns a Completion, or None when the
+                             bytes are already in ``dst``
     Completion.wait()        completion thread: block until that piece's copies are done
     Completion.fence()       optimizer-step guard: make the caller's current stream wait for the
                              copies instead of blocking the host (False: the host must wait)
@@ -22,9 +25,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._platform.cuda import TORCH_CUDA, Runtime
 from ..providers import StateProvider
@@ -92,6 +97,11 @@ class CopyDevice(Protocol):
         produces the providers' sources."""
         ...
 
+    def after_freeze(self, tensors: Sequence[torch.Tensor]) -> None:
+        """On the thread that just queued ``tensors`` (private copies ``freeze()`` made): copies
+        that read them must wait for them to be made."""
+        ...
+
     def copy(self, parts: Sequence[Part], dst: torch.Tensor, gate: Any) -> Completion | None: ...
 
 
@@ -111,6 +121,9 @@ class CpuDevice:
 
     def gate(self, providers: Sequence[StateProvider]) -> None:
         return None
+
+    def after_freeze(self, tensors: Sequence[torch.Tensor]) -> None:
+        return None  # a host clone is made when freeze() returns
 
     def copy(self, parts: Sequence[Part], dst: torch.Tensor, gate: Any) -> None:
         for provider, start, stop, at in parts:
@@ -153,8 +166,24 @@ class _CudaCompletion:
         return True
 
 
+@dataclass(frozen=True)
+class Gate:
+    """What ``stage()`` recorded: an event on each producing stream, by device, and the streams
+    themselves (a copy of a clone no event was recorded for waits on them as they are then)."""
+
+    events: dict[int, list[Any]] = field(default_factory=dict)
+    streams: dict[int, list[Any]] = field(default_factory=dict)
+
+
 class CudaDevice:
     """Side-stream copies gated on the producing streams' events.
+
+    A part whose provider took a private copy (``freeze()``: small tensors in ``stage()``,
+    buffers at the forward gate, copy-on-write) reads that clone, which the training thread
+    queued on its stream *after* the gate: the copy stream also waits on the event
+    :meth:`after_freeze` recorded behind the clone, or, where no one recorded one, on an event
+    recorded on the producing streams when the copy is enqueued (the clone was queued there
+    before the copy worker could see it).
 
     ``coalesce`` merges the consecutive small CUDA parts of one piece into one ``torch.cat`` on the
     copy stream (padding included, so the result has the piece's layout) and one device-to-host
@@ -171,6 +200,8 @@ class CudaDevice:
         self._streams: dict[int, Any] = {}
         self._pads: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
+        #: clone -> the event recorded right after it was queued (``after_freeze``)
+        self._made: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def _stream(self, index: int) -> Any:
         with self._lock:
@@ -181,23 +212,37 @@ class CudaDevice:
                 self._pads[index] = self.runtime.empty(64, index)
             return stream
 
-    def gate(self, providers: Sequence[StateProvider]) -> dict[int, list[Any]]:
+    def gate(self, providers: Sequence[StateProvider]) -> Gate:
         """Record an event on the current stream of each device the providers' sources are on,
         and on the extra producing streams."""
         rt = self.runtime
-        events: dict[int, list[Any]] = {}
+        gate = Gate()
         devices = {rt.device_of(s) for p in providers if (s := source_of(p)) is not None}
         streams = [rt.current_stream(d) for d in sorted(d for d in devices if d is not None)]
         streams += [s for s in extra_producing_streams() if rt.is_stream(s)]
         for stream in streams:
             event = rt.new_event()
             event.record(stream)
-            events.setdefault(stream.device_index, []).append(event)
-        return events
+            gate.events.setdefault(stream.device_index, []).append(event)
+            gate.streams.setdefault(stream.device_index, []).append(stream)
+        return gate
 
-    def copy(
-        self, parts: Sequence[Part], dst: torch.Tensor, gate: dict[int, list[Any]]
-    ) -> _CudaCompletion | None:
+    def after_freeze(self, tensors: Sequence[torch.Tensor]) -> None:
+        """One event per device, on the calling thread's current stream, behind the clones."""
+        rt = self.runtime
+        events: dict[int, Any] = {}
+        for tensor in tensors:
+            index = rt.device_of(tensor)
+            if index is None:
+                continue
+            event = events.get(index)
+            if event is None:
+                event = events[index] = rt.new_event()
+                event.record(rt.current_stream(index))
+            with self._lock:
+                self._made[tensor] = event
+
+    def copy(self, parts: Sequence[Part], dst: torch.Tensor, gate: Gate) -> _CudaCompletion | None:
         groups: dict[int, list[tuple[int, torch.Tensor]]] = {}
         host: list[Part] = []
         for i, part in enumerate(parts):
@@ -217,16 +262,16 @@ class CudaDevice:
         group: list[tuple[int, torch.Tensor]],
         parts: Sequence[Part],
         dst: torch.Tensor,
-        gate: dict[int, list[Any]],
+        gate: Gate,
     ) -> tuple[int, Any]:
         rt = self.runtime
         stream = self._stream(index)
+        waits = list(gate.events.get(index, ())) + self._clones_made(index, group, parts, gate)
         with rt.on(index, stream):
             try:
-                for event in gate.get(index, ()):
+                for event in waits:
                     stream.wait_event(event)
-                consecutive = group[-1][0] - group[0][0] == len(group) - 1
-                if self.coalesce and len(group) > 1 and consecutive:
+                if self.coalesce and len(group) > 1 and _adjacent(group, parts):
                     self._copy_coalesced(index, group, parts, dst)
                 else:
                     for i, _ in group:
@@ -242,6 +287,30 @@ class CudaDevice:
                 raise
         return index, done
 
+    def _clones_made(
+        self, index: int, group: list[tuple[int, torch.Tensor]], parts: Sequence[Part], gate: Gate
+    ) -> list[Any]:
+        """The events the copy of ``group`` waits on besides the gate: one behind each clone it
+        reads (``after_freeze``); for a clone without one, one recorded now on the producing
+        streams, where the clone was queued before its provider handed it out."""
+        events: list[Any] = []
+        unmarked = False
+        with self._lock:
+            for i, source in group:
+                if getattr(parts[i][0], "_frozen", None) is not source:
+                    continue  # the live tensor: the gate orders it
+                event = self._made.get(source)
+                if event is None:
+                    unmarked = True
+                elif all(event is not e for e in events):
+                    events.append(event)
+        if unmarked:
+            for stream in gate.streams.get(index, ()):
+                event = self.runtime.new_event()
+                event.record(stream)
+                events.append(event)
+        return events
+
     def _copy_coalesced(
         self,
         index: int,
@@ -252,6 +321,16 @@ class CudaDevice:
         first, stop, pieces = coalesced_sources(group, parts, self._pads[index])
         staged = torch.cat(pieces)  # allocated on the copy stream: reused only after this copy
         dst[first:stop].copy_(staged, non_blocking=True)
+
+
+def _adjacent(group: list[tuple[int, torch.Tensor]], parts: Sequence[Part]) -> bool:
+    """Whether the parts of ``group`` follow each other in the piece with only alignment padding
+    between them (a re-copy of some of a piece's parts may skip others: never pad over those)."""
+    for (i, _), (j, _) in zip(group, group[1:], strict=False):
+        _, start, stop, at = parts[i]
+        if not 0 <= parts[j][3] - (at + stop - start) < 64:
+            return False
+    return True
 
 
 def coalesced_sources(
@@ -300,6 +379,7 @@ def for_providers(providers: Sequence[StateProvider]) -> CopyDevice:
 
 __all__ = [
     "CPU",
+    "Gate",
     "Completion",
     "CopyDevice",
     "CpuDevice",
