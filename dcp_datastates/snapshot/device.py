@@ -83,8 +83,9 @@ class Completion(Protocol):
         ...
 
     def fence(self) -> bool:
-        """Order the calling thread's current device work after the copies, without blocking;
-        False when only a host wait can do it."""
+        """Order the calling thread's current device work after the copies, without blocking
+        (again: a no-op for a stream fenced already); False when only a host wait can do
+        it."""
         ...
 
 
@@ -152,6 +153,8 @@ class _CudaCompletion:
     def __init__(self, runtime: Runtime, events: list[tuple[int, Any]]) -> None:
         self.runtime = runtime
         self.events = events
+        self._fenced: set[Any] = set()  # streams that wait on these events already
+        self._lock = threading.Lock()
 
     def query(self) -> bool:
         return all(event.query() for _, event in self.events)
@@ -162,7 +165,12 @@ class _CudaCompletion:
 
     def fence(self) -> bool:
         for index, event in self.events:
-            self.runtime.current_stream(index).wait_event(event)
+            stream = self.runtime.current_stream(index)
+            with self._lock:
+                new = stream not in self._fenced
+                self._fenced.add(stream)
+            if new:  # a stream waits once: the steps it queues later are behind the copy
+                stream.wait_event(event)
         return True
 
 

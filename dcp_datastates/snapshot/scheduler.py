@@ -195,7 +195,7 @@ class SnapshotScheduler:
                 except BaseException as exc:
                     # After a fence the step may bump versions: its kernels run after the copy,
                     # and the fence checked versions before the step could enqueue them.
-                    if not session.fenced:
+                    if not piece.fenced:
                         error = exc
             try:
                 session.copied(piece, error)

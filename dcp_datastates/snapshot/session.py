@@ -456,9 +456,8 @@ class SnapshotSession:
         """Make the calling thread's current streams wait for every copy instead of the host.
 
         Waits on the host only until each piece is enqueued (pieces waiting for pool space, or
-        with host parts, are waited for whole). Versions are checked here, before the caller's
-        step can enqueue its in-place kernels: a change since ``stage()`` fails the snapshot.
-        Returns False when the device copies synchronously (the caller waits on the host).
+        with host parts, are waited for whole); checks versions at a piece's first fence only
+        (``Piece.first_fence``). False when the device copies synchronously (the host waits).
         """
         if self.device.synchronous:
             return False
@@ -470,10 +469,9 @@ class SnapshotSession:
             if completion is None or not completion.fence():
                 piece.done.wait()
                 continue
-            try:
-                piece.check_unchanged(self.rank)
-            except BaseException as exc:
-                self.abort(exc)
+            error = piece.first_fence(self.rank, self._lock)
+            if error is not None:
+                self.abort(error)
         self.fenced = True
         return True
 
