@@ -457,6 +457,34 @@ def test_buffers_the_forward_copies_while_the_snapshot_runs_are_read_after_that_
     assert_same_state(expected, got)
 
 
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_failed_copy_after_the_fence_fails_the_save_once(
+    tmp_path: Path, make_writer, order: str
+) -> None:
+    gpu = FakeCuda(order=order)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.BatchNorm1d(128))
+    gpu.adopt(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = make_writer(tmp_path, eager_copy_bytes=0, **SMALL_POOL)
+    with use_device(gpu.device()), gpu.active():
+        response = async_save({"model": dict(model.state_dict())}, writer, no_dist=True)
+        gpu.wait_for(lambda: gpu.d2h_copies == 2)  # the weight's piece, the small ones' piece
+        model(gpu.to_device(torch.randn(8, 128))).sum().backward()  # the BN buffers: cloned
+        optimizer.step()  # fenced
+    gpu.fail_copy(RuntimeError("copy from the clone failed"), after=2)
+    gpu.run_until(response.upload_completion, lazy=True)
+
+    with pytest.raises(CheckpointSaveError) as raised:
+        response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert isinstance(raised.value, Exception) and len(raised.value.failures) == 1
+    assert "copy from the clone failed" in str(raised.value.failures[0])
+    assert response.staging_completion.result(timeout=EVENT_TIMEOUT_S) is None
+    assert not (tmp_path / METADATA_NAME).exists()
+    with gpu.background():
+        assert pool_drains(writer)
+
+
 # -- one contract suite over the device layers that run here -------------------------------------
 @pytest.mark.parametrize("layer", ["cpu", "simulated cuda"])
 def test_a_state_larger_than_the_pool_round_trips_through_each_device_layer(

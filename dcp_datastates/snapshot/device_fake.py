@@ -294,6 +294,11 @@ class FakeCuda:
             done = future.done
         self._wait(done, "run_until", drive=True, order=order, lazy=lazy, timeout=timeout)
 
+    def wait_for(self, done: Callable[[], bool], timeout: float = HANG_S) -> None:
+        """Wait, without driving the device, until ``done()`` (host state the device layer
+        changes as it enqueues, such as :attr:`d2h_copies`)."""
+        self._wait(done, "wait_for", drive=False, timeout=timeout)
+
     def notify(self) -> None:
         """Wake waiters: host state a ``run_until`` condition reads may have changed."""
         with self._cond:

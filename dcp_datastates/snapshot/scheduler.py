@@ -34,6 +34,7 @@ import weakref
 from collections.abc import Callable
 
 from .._concurrency.workers import JobThreads
+from ..errors import SnapshotMutationError
 from .device import Completion, source_of
 from .pieces import PENDING, Piece
 from .pool import HostPool
@@ -191,12 +192,18 @@ class SnapshotScheduler:
             if error is None:
                 try:
                     _recopy_frozen(session, piece, read)
+                except BaseException as exc:  # fenced or not: the bytes in the pool are wrong
+                    error = exc
+            if error is None:
+                try:
                     piece.check_unchanged(session.rank)
-                except BaseException as exc:
-                    # After a fence the step may bump versions: its kernels run after the copy,
-                    # and the fence checked versions before the step could enqueue them.
+                except SnapshotMutationError as exc:
+                    # A fenced piece's versions were checked at the fence, before the step
+                    # could enqueue its kernels; the bumps since are queued behind the copy.
                     if not piece.fenced:
                         error = exc
+                except BaseException as exc:
+                    error = exc
             try:
                 session.copied(piece, error)
             except BaseException:  # never let an error die in this thread
