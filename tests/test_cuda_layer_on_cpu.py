@@ -22,6 +22,7 @@ from dcp_datastates._platform import cuda as _cuda
 from dcp_datastates.load.bounce import BounceBuffers
 from dcp_datastates.providers.tensor import TensorProvider
 from dcp_datastates.snapshot.device import CPU, coalesced_sources, for_providers
+from dcp_datastates.snapshot.device_fake import ORDERS, FakeCuda
 from dcp_datastates.snapshot.pool import HostPool
 from dcp_datastates.snapshot.session import SnapshotSession
 from dcp_datastates.storage.base import LocalStorage
@@ -99,6 +100,46 @@ def test_bounce_buffers_fill_a_target_region_by_region_with_the_record_checksum(
     assert crc == crc32c(record[2:])
     assert (bytes(got_head), bytes(got_tail)) == (head, tail)
     assert torch.equal(target.reshape(-1).view(torch.uint8), data)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_load_on_two_devices_follows_the_callers_streams_and_lands_before_it_returns(
+    tmp_path: Path, order: str
+) -> None:
+    gpu = FakeCuda(devices=2, order=order)
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, 256, (3000,), dtype=torch.uint8, generator=g) for _ in range(2)]
+    (tmp_path / "f").write_bytes(b"".join(d.numpy().tobytes() for d in data))
+    targets = [gpu.to_device(torch.full((3000,), 7, dtype=torch.uint8), i) for i in range(2)]
+    bounces = BounceBuffers(1024, pin=False, runtime=gpu)
+    ranged = LocalStorage(tmp_path).open_ranged("f")
+
+    def read_all() -> None:  # a reading thread: its current streams are the default ones
+        for i, target in enumerate(targets):
+            bounces.fill(
+                target,
+                ranged.read_into,
+                data_at=3000 * i,
+                head=bytearray(),
+                tail=bytearray(),
+                checksum=False,
+            )
+
+    callers = [gpu.compute_stream(i) for i in range(2)]
+    try:
+        with gpu.active(), gpu.use_stream(callers[0]), gpu.use_stream(callers[1]):
+            for target in targets:
+                target.zero_()  # the caller's own work on its streams comes first
+            bounces.begin([0, 1])
+            gpu.spawn(read_all).result(timeout=EVENT_TIMEOUT_S)
+            bounces.end()
+    finally:
+        ranged.close()
+    # Read without running the device: the load has landed on both devices when it returns...
+    assert all(torch.equal(t, d) for t, d in zip(targets, data, strict=True))
+    gpu.run()  # ...and nothing queued before it overwrites the targets later
+    assert all(torch.equal(t, d) for t, d in zip(targets, data, strict=True))
+    assert gpu.violations == []
 
 
 def test_bounce_buffers_report_a_short_read(tmp_path: Path) -> None:
