@@ -14,16 +14,15 @@ save's future.
 from __future__ import annotations
 
 import contextlib
-import copy
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _device_loops import LOOPS, flat, model, reference, state_of, train
 from conftest import EVENT_TIMEOUT_S, MiB, assert_same_state, failure_of, load_like, pool_drains
 
 from dcp_datastates import CheckpointSaveError, SnapshotMutationError, async_save
@@ -545,125 +544,8 @@ def test_a_failing_fence_falls_back_to_the_host_wait(
 
 
 # -- training loops: several steps, optimizers, accumulation, skipped steps ------------------------
-@dataclass(frozen=True)
-class Loop:
-    """A training loop and where it saves.
-
-    Attributes:
-        optimizers: "one" (AdamW), or "two" (SGD with momentum on the first layers, AdamW on the
-            rest, as GAN or Muon + AdamW setups step two optimizers).
-        iterations: forward/backward passes.
-        accumulate: passes per optimizer step (gradient accumulation).
-        save_at: passes after which the state is saved (async; the next save waits for it).
-        scaler: a GradScaler steps the optimizers; ``inf_at`` passes put an inf in a gradient
-            (the scaler skips that step).
-        guard_on_device: fence the step on the device (else the host waits).
-    """
-
-    optimizers: str = "one"
-    iterations: int = 6
-    accumulate: int = 1
-    save_at: tuple[int, ...] = (1, 3)
-    scaler: bool = False
-    inf_at: tuple[int, ...] = ()
-    guard_on_device: bool = True
-
-
-LOOPS = {
-    "two optimizers": Loop(optimizers="two"),
-    "steps while copies run": Loop(iterations=7, save_at=(0,)),
-    "gradient accumulation": Loop(iterations=9, accumulate=3, save_at=(1, 5)),
-    "skipped steps": Loop(optimizers="two", scaler=True, inf_at=(2, 3), save_at=(1, 2)),
-    "host guard": Loop(optimizers="two", guard_on_device=False),
-}
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 96),  # 24 KiB of weights: copied live; biases frozen at stage()
-        torch.nn.BatchNorm1d(96),
-        torch.nn.ReLU(),
-        torch.nn.Linear(96, 64),
-    )
-
-
-def _optimizers(model: torch.nn.Module, which: str) -> list[torch.optim.Optimizer]:
-    params = list(model.parameters())
-    if which == "one":
-        return [torch.optim.AdamW(params, lr=1e-2)]
-    return [
-        torch.optim.SGD(params[:4], lr=0.05, momentum=0.9),
-        torch.optim.AdamW(params[4:], lr=1e-2),
-    ]
-
-
-def _state(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], i: int) -> dict:
-    state: dict = {"model": dict(model.state_dict()), "iteration": i}
-    for k, opt in enumerate(optimizers):
-        for j, param in enumerate(p for g in opt.param_groups for p in g["params"]):
-            for name, value in opt.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor):
-                    state[f"opt{k}.{j}.{name}"] = value
-    return state
-
-
-def _train(
-    model: torch.nn.Module,
-    loop: Loop,
-    device: Callable[[torch.Tensor], torch.Tensor],
-    on_save: Callable[[dict, int], None],
-) -> list[torch.optim.Optimizer]:
-    optimizers = _optimizers(model, loop.optimizers)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if loop.scaler else None
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)) for _ in range(9)]
-    for i in range(loop.iterations):
-        x, y = (device(t) for t in data[i])
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        if i in loop.inf_at:
-            with torch.no_grad():
-                model[0].weight.grad[0, 0] = float("inf")
-        if (i + 1) % loop.accumulate == 0:
-            _step(optimizers, scaler)
-            for opt in optimizers:
-                opt.zero_grad()
-        if i in loop.save_at:
-            on_save(_state(model, optimizers, i), i)
-    return optimizers
-
-
-def _step(optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler | None) -> None:
-    if scaler is None:
-        for opt in optimizers:
-            opt.step()
-        return
-    for opt in optimizers:
-        scaler.step(opt)
-    scaler.update()
-
-
-def _reference(loop: Loop) -> tuple[dict[int, dict], dict]:
-    """What each checkpoint must hold, and the final state: the loop on the host, no saves."""
-    saved: dict[int, dict] = {}
-
-    def on_save(state: dict, i: int) -> None:
-        saved[i] = copy.deepcopy(state)
-
-    model = _model()
-    optimizers = _train(model, loop, lambda t: t, on_save)
-    return saved, copy.deepcopy(_state(model, optimizers, loop.iterations))
-
-
 def _host(fake: FakeCuda, state: dict) -> dict:
     return {k: fake.to_host(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-
-
-def _flat(state: dict) -> dict:
-    flat = {f"model.{k}": v for k, v in state["model"].items()}
-    flat.update((k, v) for k, v in state.items() if k != "model")
-    return flat
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -672,7 +554,7 @@ def test_a_training_loop_saves_what_each_step_left(
     tmp_path: Path, make_writer, name: str, order: str
 ) -> None:
     loop = LOOPS[name]
-    expected, final = _reference(loop)
+    expected, final = reference(loop)
     fake = FakeCuda(order=order)
     writer = make_writer(tmp_path, guard_on_device=loop.guard_on_device, **SMALL_POOL)
     responses: dict[int, object] = {}
@@ -683,13 +565,13 @@ def test_a_training_loop_saves_what_each_step_left(
         path = tmp_path / f"it{i}"
         responses[i] = async_save(state, writer, checkpoint_id=str(path), no_dist=True)
 
-    model = _model()
-    fake.adopt(model)
+    net = model()
+    fake.adopt(net)
     fences = guard.fences
     # The host guard blocks this thread until the copies ran: the device runs by itself then.
     background = fake.background() if not loop.guard_on_device else contextlib.nullcontext()
     with use_device(fake.device()), fake.active(), background:
-        optimizers = _train(model, loop, fake.to_device, on_save)
+        optimizers = train(net, loop, fake.to_device, on_save)
     for response in responses.values():
         fake.run_until(response.upload_completion, lazy=True)
     fake.run()
@@ -700,6 +582,6 @@ def test_a_training_loop_saves_what_each_step_left(
     for i, response in responses.items():
         response.upload_completion.result(timeout=EVENT_TIMEOUT_S)  # raises what failed it
         got = load_like(tmp_path / f"it{i}", expected[i], "datastates")
-        assert_same_state(_flat(expected[i]), _flat(got), f"checkpoint after pass {i}")
-    now = _host(fake, _flat(_state(model, optimizers, loop.iterations)))
-    assert_same_state(_flat(final), now, "the trained state")
+        assert_same_state(flat(expected[i]), flat(got), f"checkpoint after pass {i}")
+    now = _host(fake, flat(state_of(net, optimizers, loop.iterations)))
+    assert_same_state(flat(final), now, "the trained state")
