@@ -282,9 +282,9 @@ class CudaDevice:
                 if self.coalesce and len(group) > 1 and _adjacent(group, parts):
                     self._copy_coalesced(index, group, parts, dst)
                 else:
-                    for i, _ in group:
+                    for i, source in group:  # the tensors the waits above were chosen for
                         provider, start, stop, at = parts[i]
-                        src = source_bytes(provider, source_of(provider), start, stop)
+                        src = source_bytes(provider, source, start, stop)
                         dst[at : at + stop - start].copy_(src, non_blocking=True)
                 for _, source in group:
                     rt.keep(source, stream)  # not reused by the allocator before the copy
