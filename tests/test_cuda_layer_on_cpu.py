@@ -5,6 +5,8 @@ background, and the GPU check and benchmark scripts (which must exit cleanly, or
 
 from __future__ import annotations
 
+import ctypes
+import enum
 import json
 import os
 import subprocess
@@ -22,6 +24,7 @@ from dcp_datastates._platform import cuda as _cuda
 from dcp_datastates.load.bounce import BounceBuffers
 from dcp_datastates.providers.tensor import TensorProvider
 from dcp_datastates.snapshot.device import CPU, coalesced_sources, for_providers
+from dcp_datastates.snapshot.device_fake import ORDERS, FakeCuda
 from dcp_datastates.snapshot.pool import HostPool
 from dcp_datastates.snapshot.session import SnapshotSession
 from dcp_datastates.storage.base import LocalStorage
@@ -101,6 +104,46 @@ def test_bounce_buffers_fill_a_target_region_by_region_with_the_record_checksum(
     assert torch.equal(target.reshape(-1).view(torch.uint8), data)
 
 
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_load_on_two_devices_follows_the_callers_streams_and_lands_before_it_returns(
+    tmp_path: Path, order: str
+) -> None:
+    gpu = FakeCuda(devices=2, order=order)
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, 256, (3000,), dtype=torch.uint8, generator=g) for _ in range(2)]
+    (tmp_path / "f").write_bytes(b"".join(d.numpy().tobytes() for d in data))
+    targets = [gpu.to_device(torch.full((3000,), 7, dtype=torch.uint8), i) for i in range(2)]
+    bounces = BounceBuffers(1024, pin=False, runtime=gpu)
+    ranged = LocalStorage(tmp_path).open_ranged("f")
+
+    def read_all() -> None:  # a reading thread: its current streams are the default ones
+        for i, target in enumerate(targets):
+            bounces.fill(
+                target,
+                ranged.read_into,
+                data_at=3000 * i,
+                head=bytearray(),
+                tail=bytearray(),
+                checksum=False,
+            )
+
+    callers = [gpu.compute_stream(i) for i in range(2)]
+    try:
+        with gpu.active(), gpu.use_stream(callers[0]), gpu.use_stream(callers[1]):
+            for target in targets:
+                target.zero_()  # the caller's own work on its streams comes first
+            bounces.begin([0, 1])
+            gpu.spawn(read_all).result(timeout=EVENT_TIMEOUT_S)
+            bounces.end()
+    finally:
+        ranged.close()
+    # Read without running the device: the load has landed on both devices when it returns...
+    assert all(torch.equal(t, d) for t, d in zip(targets, data, strict=True))
+    gpu.run()  # ...and nothing queued before it overwrites the targets later
+    assert all(torch.equal(t, d) for t, d in zip(targets, data, strict=True))
+    assert gpu.violations == []
+
+
 def test_bounce_buffers_report_a_short_read(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"\0" * 3000)  # the record says 5000 bytes of data
     ranged = LocalStorage(tmp_path).open_ranged("f")
@@ -116,6 +159,107 @@ def test_bounce_buffers_report_a_short_read(tmp_path: Path) -> None:
     finally:
         ranged.close()
     assert got == 3000
+
+
+class _Driver:
+    """cuda-python's driver calls the pinned pool makes, as the driver answers them: every call
+    returns ``(CUresult, value...)``, and memory calls need a context current on the thread."""
+
+    class CUresult(enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+        CUDA_ERROR_INVALID_CONTEXT = 201
+
+    CU_MEMHOSTALLOC_PORTABLE = 1
+
+    def __init__(self, *, free_fails: bool = False) -> None:
+        self.free_fails = free_fails
+        self.pinned: dict[int, ctypes.Array] = {}
+        self.retained = 0
+        self._local = threading.local()
+
+    def _current(self) -> list:
+        if not hasattr(self._local, "stack"):
+            self._local.stack = []
+        return self._local.stack
+
+    def cuInit(self, flags):  # noqa: N802 - the driver's names
+        return (self.CUresult.CUDA_SUCCESS,)
+
+    def cuDeviceGet(self, index):  # noqa: N802
+        return self.CUresult.CUDA_SUCCESS, f"device {index}"
+
+    def cuDevicePrimaryCtxRetain(self, device):  # noqa: N802
+        self.retained += 1
+        return self.CUresult.CUDA_SUCCESS, f"context of {device}"
+
+    def cuDevicePrimaryCtxRelease(self, device):  # noqa: N802
+        self.retained -= 1
+        return (self.CUresult.CUDA_SUCCESS,)
+
+    def cuCtxSetCurrent(self, context):  # noqa: N802
+        self._current()[:] = [context]
+        return (self.CUresult.CUDA_SUCCESS,)
+
+    def cuCtxPushCurrent(self, context):  # noqa: N802
+        self._current().append(context)
+        return (self.CUresult.CUDA_SUCCESS,)
+
+    def cuCtxPopCurrent(self):  # noqa: N802
+        return self.CUresult.CUDA_SUCCESS, self._current().pop()
+
+    def cuMemHostAlloc(self, nbytes, flags):  # noqa: N802
+        if not self._current():
+            return self.CUresult.CUDA_ERROR_INVALID_CONTEXT, 0
+        memory = (ctypes.c_uint8 * nbytes)()
+        self.pinned[ctypes.addressof(memory)] = memory
+        return self.CUresult.CUDA_SUCCESS, ctypes.addressof(memory)
+
+    def cuMemFreeHost(self, ptr):  # noqa: N802
+        if not self._current():
+            return (self.CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+        if self.free_fails:
+            return (self.CUresult.CUDA_ERROR_INVALID_VALUE,)
+        del self.pinned[ptr]
+        return (self.CUresult.CUDA_SUCCESS,)
+
+    def cuGetErrorString(self, err):  # noqa: N802
+        return self.CUresult.CUDA_SUCCESS, self.CUresult(err).name.encode()
+
+
+def _drop_on_a_new_thread(buffers: list[torch.Tensor]) -> None:
+    """Drop the last reference on a thread that never made a CUDA call (a dropped writer's
+    scheduler thread freeing its pool)."""
+    thread = threading.Thread(target=buffers.clear)
+    thread.start()
+    thread.join(EVENT_TIMEOUT_S)
+
+
+def test_the_pinned_pool_is_freed_in_its_context_on_a_thread_without_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    driver = _Driver()
+    buffers = [cuda_ext.host_memory.pinned_with(driver, 3 * 4096, 2)]
+    buffers[0].fill_(1)
+    assert len(driver.pinned) == 1 and driver.retained == 1
+
+    with caplog.at_level("ERROR", logger="cuda_ext.host_memory"):
+        _drop_on_a_new_thread(buffers)
+    assert driver.pinned == {} and driver.retained == 0
+    assert caplog.records == []
+
+
+def test_a_failed_free_of_the_pinned_pool_is_logged_naming_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    driver = _Driver(free_fails=True)
+    buffers = [cuda_ext.host_memory.pinned_with(driver, 4096, 1)]
+    with caplog.at_level("ERROR", logger="cuda_ext.host_memory"):
+        _drop_on_a_new_thread(buffers)
+    (record,) = caplog.records
+    assert "4096-byte pinned host pool" in record.getMessage() and "cuda:1" in record.getMessage()
+    assert "CUDA_ERROR_INVALID_VALUE" in caplog.text
+    assert driver.retained == 0  # the context's retain is released all the same
 
 
 def test_the_gpu_check_exits_cleanly_saying_so_without_a_gpu() -> None:

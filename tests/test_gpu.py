@@ -1,22 +1,47 @@
 """The CUDA path on a real GPU: round trips from device memory, gating on producing streams, the
-fenced optimizer step, mutation detection, the pinned pool, a DTensor over nccl.
+fenced optimizer step over training loops (several optimizers, steps while copies run,
+gradient accumulation, skipped steps), clones read after they are made, loads that follow the
+caller's streams on every device, the pinned pool and its free, a DTensor over nccl. The same
+scenarios run on the simulated GPU (``test_device_fake.py``) in every CI run.
 
-Skipped (with the reason) where no CUDA device is present; ``scripts/gpu_check.sh`` runs them.
+Skipped (with the reason) where no CUDA device is present; ``scripts/gpu_check.sh`` runs them
+and prints the figures they record (``GPU_CHECK_FIGURES``: one JSON line each).
 Races are made deterministic with ``torch.cuda._sleep``: a long kernel on the producing stream
-holds the gate event back, so the copies provably wait for it.
+holds the gate event back, so the copies provably wait for it, and the host runs ahead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import json
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import EVENT_TIMEOUT_S, MiB, assert_same_state, failure_of, load, pool_drains
+from _device_loops import LOOPS, flat, model, train
+from conftest import (
+    EVENT_TIMEOUT_S,
+    MiB,
+    assert_same_state,
+    failure_of,
+    load,
+    load_like,
+    pool_drains,
+)
 
 import cuda_ext
-from dcp_datastates import CheckpointSaveError, DataStatesReader, SnapshotMutationError, async_save
+from dcp_datastates import (
+    CheckpointSaveError,
+    DataStatesReader,
+    DataStatesWriter,
+    SnapshotMutationError,
+    async_save,
+)
 from dcp_datastates.providers.tensor import TensorProvider
 from dcp_datastates.snapshot import guard
 from dcp_datastates.snapshot.device import CPU, CudaDevice, for_providers, producing_streams
@@ -31,6 +56,15 @@ pytestmark = [
 SMALL_POOL = {"host_pool_bytes": 4 * MiB, "chunk_bytes": 256 * 1024, "coalesce_bytes": 64 * 1024}
 #: GPU cycles of one "long kernel": tens of milliseconds on any current GPU.
 LONG_KERNEL = 200_000_000
+
+
+def _figure(name: str, **values: object) -> None:
+    """Record one figure for ``scripts/gpu_check.sh`` to print (a JSON line appended to the file
+    ``GPU_CHECK_FIGURES`` names; nothing without it)."""
+    path = os.environ.get("GPU_CHECK_FIGURES")
+    if path:
+        with open(path, "a") as out:
+            out.write(json.dumps({"figure": name, **values}) + "\n")
 
 
 def cuda_zoo() -> dict:
@@ -175,6 +209,154 @@ def test_a_big_cuda_target_loads_through_the_double_buffers(tmp_path: Path, make
     target = {"w": torch.zeros_like(value)}
     dcp.load(target, storage_reader=DataStatesReader(tmp_path), no_dist=True)
     assert torch.equal(target["w"], value)
+
+
+# -- issue 38: fences over training loops, clones, loads on every device, the pool's free -------
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_a_training_loop_on_the_gpu_saves_what_each_step_left(
+    tmp_path: Path, make_writer, name: str
+) -> None:
+    loop = LOOPS[name]
+    net = model().cuda()
+    writer = make_writer(tmp_path, guard_on_device=loop.guard_on_device, **SMALL_POOL)
+    saved: dict[int, dict] = {}
+    expected: dict[int, dict] = {}
+    responses: dict[int, object] = {}
+    fences, waits = guard.fences, guard.waits
+
+    def on_save(state: dict, i: int) -> None:
+        for earlier in responses.values():
+            earlier.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+        # The copies wait behind it: the host issues the next passes' steps while they wait.
+        torch.cuda._sleep(3 * LONG_KERNEL)
+        path = str(tmp_path / f"it{i}")
+        responses[i] = async_save(state, writer, checkpoint_id=path, no_dist=True)
+        saved[i] = state
+        # On the training stream, right after stage(): what the checkpoint must hold.
+        expected[i] = {
+            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in flat(state).items()
+        }
+
+    start = time.perf_counter()
+    train(net, loop, lambda t: t.cuda(), on_save, scaler_device="cuda")
+    issued_s = time.perf_counter() - start
+    for response in responses.values():
+        response.upload_completion.result(timeout=EVENT_TIMEOUT_S)  # raises what failed it
+    torch.cuda.synchronize()
+    for i in responses:
+        got = load_like(tmp_path / f"it{i}", saved[i], "datastates")
+        assert_same_state(_to(expected[i], "cpu"), _to(flat(got), "cpu"), f"after pass {i}")
+    _figure(
+        "training_loop",
+        loop=name,
+        saves=len(responses),
+        fenced_steps=guard.fences - fences,
+        host_waited_steps=guard.waits - waits,
+        loop_issued_s=round(issued_s, 3),
+    )
+    if loop.guard_on_device and not loop.scaler:
+        # More fenced steps than saves: some snapshot was fenced again while its copies ran.
+        assert guard.fences - fences > len(loop.save_at)
+
+
+def test_small_tensors_copied_in_stage_are_read_after_their_copy_was_made(
+    tmp_path: Path, make_writer
+) -> None:
+    state = {
+        "weight": torch.randn(64, 64, device="cuda"),  # copied from the live tensor
+        "bias": torch.randn(64, device="cuda"),  # copied in stage() (eager_copy_bytes)
+        "count": torch.tensor(7, device="cuda"),
+    }
+    expected = _to(state, "cpu")
+    torch.cuda._sleep(LONG_KERNEL)  # the gate, then the clones: the copies start with them
+    response = async_save(state, make_writer(tmp_path), no_dist=True)
+    state["bias"].add_(1)  # later writes: the snapshot reads the copies made in stage()
+    state["count"].add_(1)
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert_same_state(expected, load(tmp_path, _blank(expected), "datastates"))
+
+
+def test_buffers_the_forward_copies_while_the_snapshot_runs_are_read_after_that_copy(
+    tmp_path: Path, make_writer
+) -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32)).cuda()
+    state = {"model": dict(net.state_dict())}
+    expected = _to(state, "cpu")
+    torch.cuda._sleep(LONG_KERNEL)
+    writer = make_writer(tmp_path, eager_copy_bytes=0)  # the forward gate copies the buffers
+    response = async_save(state, writer, no_dist=True)
+    net(torch.randn(8, 32, device="cuda"))  # updates the running statistics in place
+    response.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert_same_state(expected, load(tmp_path, _blank(expected), "datastates"))
+
+
+def _load_behind_the_callers_streams(path: Path, saved: dict[str, torch.Tensor]) -> dict:
+    """Load ``path`` into new targets on ``saved``'s devices while each device's caller stream
+    is still busy with a fill of those targets; returns what a stream the load knows nothing
+    of reads right after it returned, and what the targets hold once everything ran."""
+    targets = {k: torch.empty_like(v) for k, v in saved.items()}
+    devices = sorted({v.device.index for v in saved.values()})
+    sides = {d: torch.cuda.Stream(device=d) for d in devices}
+    with contextlib.ExitStack() as streams:
+        for d, side in sides.items():
+            side.wait_stream(torch.cuda.current_stream(d))
+            streams.enter_context(torch.cuda.stream(side))
+            torch.cuda._sleep(LONG_KERNEL)  # on this device's caller stream
+        for target in targets.values():
+            target.zero_()  # the caller's work, still queued when the load starts
+        start = time.perf_counter()
+        dcp.load(targets, storage_reader=DataStatesReader(path), no_dist=True)
+        load_s = time.perf_counter() - start
+    right_after = {}
+    for key, target in targets.items():
+        other = torch.cuda.Stream(device=target.device)
+        with torch.cuda.stream(other):
+            right_after[key] = target.to("cpu")
+    torch.cuda.synchronize()
+    later = {k: t.cpu() for k, t in targets.items()}
+    _figure("load_behind_caller_streams", devices=len(devices), load_s=round(load_s, 3))
+    return {"right_after": right_after, "later": later}
+
+
+def test_a_load_waits_for_the_callers_stream_and_lands_before_it_returns(
+    tmp_path: Path, make_writer
+) -> None:
+    saved = {"w": torch.randn(20 * MiB, device="cuda"), "s": torch.randn(1000, device="cuda")}
+    dcp.save(saved, storage_writer=make_writer(tmp_path), no_dist=True)
+    got = _load_behind_the_callers_streams(tmp_path, saved)
+    assert_same_state(_to(saved, "cpu"), got["right_after"])
+    assert_same_state(_to(saved, "cpu"), got["later"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one CUDA device: no second to load to")
+def test_a_load_to_two_gpus_lands_on_both_before_it_returns(tmp_path: Path, make_writer) -> None:
+    saved = {"a": torch.randn(4 * MiB, device="cuda:0"), "b": torch.randn(4 * MiB, device="cuda:1")}
+    dcp.save(saved, storage_writer=make_writer(tmp_path), no_dist=True)
+    got = _load_behind_the_callers_streams(tmp_path, saved)
+    assert_same_state(_to(saved, "cpu"), got["right_after"])
+    assert_same_state(_to(saved, "cpu"), got["later"])
+
+
+def test_a_writer_closed_on_a_thread_without_a_context_frees_its_pinned_pool(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    if not cuda_ext.host_memory.available():
+        pytest.skip("cuda-python is not installed: the pool came from torch's pinned allocator")
+    from cuda.bindings import driver
+
+    writer = DataStatesWriter(tmp_path, host_pool_bytes=4 * MiB)
+    dcp.save({"w": torch.randn(1024, device="cuda")}, storage_writer=writer, no_dist=True)
+    pointer = writer._runtime.pool._buffer.data_ptr()
+    with caplog.at_level("ERROR"):
+        closer = threading.Thread(target=writer.close)  # it never made a CUDA call
+        closer.start()
+        closer.join(EVENT_TIMEOUT_S)
+        del writer
+        gc.collect()
+    assert not [r for r in caplog.records if "pinned host pool" in r.getMessage()], caplog.text
+    err, _ = driver.cuMemHostGetFlags(pointer)
+    assert err != driver.CUresult.CUDA_SUCCESS, "the pinned pool is still allocated"
 
 
 @pytest.mark.multiprocess

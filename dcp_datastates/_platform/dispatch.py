@@ -17,12 +17,16 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
 from torch.utils._python_dispatch import (
+    _disable_current_modes,
     _get_current_dispatch_mode_stack,
     _pop_mode,
     _push_mode,
 )
 
-__all__ = ["DispatchMode", "in_tracing", "push_under", "remove", "stack"]
+__all__ = ["DispatchMode", "disabled", "in_tracing", "push", "push_under", "remove", "stack"]
+
+#: A block in which the calling thread's dispatch modes are off (``with disabled(): ...``).
+disabled = _disable_current_modes
 
 _INFRA = tuple(torch._C._TorchDispatchModeKey.__members__.values())
 
@@ -36,6 +40,11 @@ def in_tracing() -> bool:
 def stack() -> list[DispatchMode]:
     """The calling thread's dispatch modes, innermost last."""
     return _get_current_dispatch_mode_stack()
+
+
+def push(mode: DispatchMode) -> None:
+    """Make ``mode`` the calling thread's innermost dispatch mode."""
+    _push_mode(mode)
 
 
 def push_under(mode: DispatchMode) -> None:

@@ -98,8 +98,9 @@ class Fetch:
         self.fallbacks: list[str] = []  # stock records loaded whole with torch.load
         self._lock = threading.Lock()
         self._files: dict[str, RangedFile] = {}
-        cuda = [t.device for t in targets.values() if t.is_cuda]
+        cuda = sorted({t.device.index for t in targets.values() if t.is_cuda})
         self._pin = torch.cuda.is_available() and bool(cuda)
+        self._devices = cuda  # every device the load touches
         self._device = cuda[0] if cuda else None  # pinned memory in this rank's context
         self._bounces = BounceBuffers(options.split_bytes, pin=self._pin)
 
@@ -109,6 +110,9 @@ class Fetch:
         for record in self.records:
             by_file.setdefault(record.name, []).append(record)
         runner = Runner(max(1, self.options.io_workers))
+        if self._pin:
+            # On the caller's thread: the copies come after the targets' work on its streams.
+            self._bounces.begin(self._devices)
         try:
             for name, records in by_file.items():
                 self._files[name] = self.storage.open_ranged(name)
@@ -121,7 +125,9 @@ class Fetch:
                 for f in self._files.values():
                     f.close()
                 if self._pin:
-                    torch.cuda.synchronize(self._device)  # the non-blocking copies, side streams
+                    # Every device's copies, on the caller's streams and for the host: the
+                    # targets hold the checkpoint once the load returns.
+                    self._bounces.end()
         if self.fallbacks:
             logger.info(
                 "%d stock record(s) loaded whole with torch.load (their data offset could not "
@@ -359,7 +365,10 @@ class Fetch:
             source = _narrow(saved, req)
             if source.data_ptr() == target.data_ptr() and source.shape == target.shape:
                 continue  # read in place
-            target.copy_(source, non_blocking=target.is_cuda)
+            if target.is_cuda:
+                self._bounces.deliver(target, source)  # on its device's side stream
+            else:
+                target.copy_(source)
 
     def _load_whole(self, record: Record, mv: memoryview) -> torch.Tensor:
         with self._lock:

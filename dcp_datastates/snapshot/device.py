@@ -3,10 +3,13 @@
 The engine talks to a small interface so that its gating logic is the same on every device and can
 be tested without a GPU (``device_fake.py``)::
 
-    gate(devices)            training thread, in stage(): mark "the state is produced" on every
+    gate(providers)          training thread, in stage(): mark "the state is produced" on every
                              producing stream (an event per stream); returns the gate
-    copy(parts, dst, gate)   copy worker: enqueue the piece's copies after the gate; returns a
-                             Completion, or None when the bytes are already in ``dst``
+    after_freeze(tensors)    training thread, right after ``freeze()`` queued private copies
+                             (clones) of live tensors: mark "these copies are made"
+    copy(parts, dst, gate)   copy worker: enqueue the piece's copies after the gate (and after
+                             the clones they read); returns a Completion, or None when the
+                             bytes are already in ``dst``
     Completion.wait()        completion thread: block until that piece's copies are done
     Completion.fence()       optimizer-step guard: make the caller's current stream wait for the
                              copies instead of blocking the host (False: the host must wait)
@@ -22,10 +25,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
+from .._platform.cuda import TORCH_CUDA, Runtime
 from ..providers import StateProvider
 
 #: (provider, source byte start, source byte stop, offset inside the piece)
@@ -77,8 +83,9 @@ class Completion(Protocol):
         ...
 
     def fence(self) -> bool:
-        """Order the calling thread's current device work after the copies, without blocking;
-        False when only a host wait can do it."""
+        """Order the calling thread's current device work after the copies, without blocking
+        (again: a no-op for a stream fenced already); False when only a host wait can do
+        it."""
         ...
 
 
@@ -86,7 +93,15 @@ class CopyDevice(Protocol):
     #: copies are finished when :meth:`copy` returns (no completion tracking needed)
     synchronous: bool
 
-    def gate(self, devices: set[torch.device]) -> Any: ...
+    def gate(self, providers: Sequence[StateProvider]) -> Any:
+        """On the training thread, in stage(): mark "the state is produced" on every stream that
+        produces the providers' sources."""
+        ...
+
+    def after_freeze(self, tensors: Sequence[torch.Tensor]) -> None:
+        """On the thread that just queued ``tensors`` (private copies ``freeze()`` made): copies
+        that read them must wait for them to be made."""
+        ...
 
     def copy(self, parts: Sequence[Part], dst: torch.Tensor, gate: Any) -> Completion | None: ...
 
@@ -100,22 +115,16 @@ def source_of(provider: StateProvider) -> torch.Tensor | None:
     return source if isinstance(source, torch.Tensor) else None
 
 
-def devices_of(providers: Sequence[StateProvider]) -> set[torch.device]:
-    found: set[torch.device] = set()
-    for provider in providers:
-        source = source_of(provider)
-        if source is not None and source.device.type != "cpu":
-            found.add(source.device)
-    return found
-
-
 class CpuDevice:
     """The direct copy: the provider copies its bytes on the calling (copy worker) thread."""
 
     synchronous = True
 
-    def gate(self, devices: set[torch.device]) -> None:
+    def gate(self, providers: Sequence[StateProvider]) -> None:
         return None
+
+    def after_freeze(self, tensors: Sequence[torch.Tensor]) -> None:
+        return None  # a host clone is made when freeze() returns
 
     def copy(self, parts: Sequence[Part], dst: torch.Tensor, gate: Any) -> None:
         for provider, start, stop, at in parts:
@@ -141,8 +150,11 @@ def source_bytes(
 
 
 class _CudaCompletion:
-    def __init__(self, events: list[tuple[int, torch.cuda.Event]]) -> None:
+    def __init__(self, runtime: Runtime, events: list[tuple[int, Any]]) -> None:
+        self.runtime = runtime
         self.events = events
+        self._fenced: set[Any] = set()  # streams that wait on these events already
+        self._lock = threading.Lock()
 
     def query(self) -> bool:
         return all(event.query() for _, event in self.events)
@@ -153,60 +165,104 @@ class _CudaCompletion:
 
     def fence(self) -> bool:
         for index, event in self.events:
-            torch.cuda.current_stream(index).wait_event(event)
+            stream = self.runtime.current_stream(index)
+            with self._lock:
+                new = stream not in self._fenced
+                self._fenced.add(stream)
+            if new:  # a stream waits once: the steps it queues later are behind the copy
+                stream.wait_event(event)
         return True
+
+
+@dataclass(frozen=True)
+class Gate:
+    """What ``stage()`` recorded: an event on each producing stream, by device, and the streams
+    themselves (a copy of a clone no event was recorded for waits on them as they are then)."""
+
+    events: dict[int, list[Any]] = field(default_factory=dict)
+    streams: dict[int, list[Any]] = field(default_factory=dict)
 
 
 class CudaDevice:
     """Side-stream copies gated on the producing streams' events.
 
+    A part whose provider took a private copy (``freeze()``: small tensors in ``stage()``,
+    buffers at the forward gate, copy-on-write) reads that clone, which the training thread
+    queued on its stream *after* the gate: the copy stream also waits on the event
+    :meth:`after_freeze` recorded behind the clone, or, where no one recorded one, on an event
+    recorded on the producing streams when the copy is enqueued (the clone was queued there
+    before the copy worker could see it).
+
     ``coalesce`` merges the consecutive small CUDA parts of one piece into one ``torch.cat`` on the
     copy stream (padding included, so the result has the piece's layout) and one device-to-host
-    copy, instead of one launch per tensor.
+    copy, instead of one launch per tensor. Every CUDA call goes through ``runtime``
+    (``_platform.cuda.Runtime``): torch's by default, a simulated GPU in tests
+    (``device_fake.FakeCuda``).
     """
 
     synchronous = False
 
-    def __init__(self, *, coalesce: bool = True) -> None:
+    def __init__(self, *, coalesce: bool = True, runtime: Runtime | None = None) -> None:
         self.coalesce = coalesce
-        self._streams: dict[int, torch.cuda.Stream] = {}
+        self.runtime: Runtime = runtime if runtime is not None else TORCH_CUDA
+        self._streams: dict[int, Any] = {}
         self._pads: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
+        #: clone -> the event recorded right after it was queued (``after_freeze``)
+        self._made: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def _stream(self, index: int) -> torch.cuda.Stream:
+    def _stream(self, index: int) -> Any:
         with self._lock:
             stream = self._streams.get(index)
             if stream is None:
-                stream = self._streams[index] = torch.cuda.Stream(device=index)
+                stream = self._streams[index] = self.runtime.new_stream(index)
                 # No kernel: gap bytes are never read, so the pad needs no ordering.
-                self._pads[index] = torch.empty(64, dtype=torch.uint8, device=index)
+                self._pads[index] = self.runtime.empty(64, index)
             return stream
 
-    def gate(self, devices: set[torch.device]) -> dict[int, list[torch.cuda.Event]]:
-        """Record an event on each device's current stream and on the extra producing streams."""
-        events: dict[int, list[torch.cuda.Event]] = {}
-        streams = [torch.cuda.current_stream(d) for d in devices if d.type == "cuda"]
-        streams += [s for s in extra_producing_streams() if isinstance(s, torch.cuda.Stream)]
+    def gate(self, providers: Sequence[StateProvider]) -> Gate:
+        """Record an event on the current stream of each device the providers' sources are on,
+        and on the extra producing streams."""
+        rt = self.runtime
+        gate = Gate()
+        devices = {rt.device_of(s) for p in providers if (s := source_of(p)) is not None}
+        streams = [rt.current_stream(d) for d in sorted(d for d in devices if d is not None)]
+        streams += [s for s in extra_producing_streams() if rt.is_stream(s)]
         for stream in streams:
-            event = torch.cuda.Event()
+            event = rt.new_event()
             event.record(stream)
-            events.setdefault(stream.device.index, []).append(event)
-        return events
+            gate.events.setdefault(stream.device_index, []).append(event)
+            gate.streams.setdefault(stream.device_index, []).append(stream)
+        return gate
 
-    def copy(
-        self, parts: Sequence[Part], dst: torch.Tensor, gate: dict[int, list[torch.cuda.Event]]
-    ) -> _CudaCompletion | None:
+    def after_freeze(self, tensors: Sequence[torch.Tensor]) -> None:
+        """One event per device, on the calling thread's current stream, behind the clones."""
+        rt = self.runtime
+        events: dict[int, Any] = {}
+        for tensor in tensors:
+            index = rt.device_of(tensor)
+            if index is None:
+                continue
+            event = events.get(index)
+            if event is None:
+                event = events[index] = rt.new_event()
+                event.record(rt.current_stream(index))
+            with self._lock:
+                self._made[tensor] = event
+
+    def copy(self, parts: Sequence[Part], dst: torch.Tensor, gate: Gate) -> _CudaCompletion | None:
         groups: dict[int, list[tuple[int, torch.Tensor]]] = {}
         host: list[Part] = []
         for i, part in enumerate(parts):
             source = source_of(part[0])
-            if source is not None and source.is_cuda:
-                groups.setdefault(source.device.index, []).append((i, source))
+            index = self.runtime.device_of(source) if source is not None else None
+            if source is not None and index is not None:
+                groups.setdefault(index, []).append((i, source))
             else:
                 host.append(part)
         events = [self._enqueue(index, group, parts, dst, gate) for index, group in groups.items()]
         CPU.copy(host, dst, None)  # host parts never overlap the device parts' bytes
-        return _CudaCompletion(events) if events else None
+        return _CudaCompletion(self.runtime, events) if events else None
 
     def _enqueue(
         self,
@@ -214,29 +270,54 @@ class CudaDevice:
         group: list[tuple[int, torch.Tensor]],
         parts: Sequence[Part],
         dst: torch.Tensor,
-        gate: dict[int, list[torch.cuda.Event]],
-    ) -> tuple[int, torch.cuda.Event]:
+        gate: Gate,
+    ) -> tuple[int, Any]:
+        rt = self.runtime
         stream = self._stream(index)
-        with torch.cuda.device(index), torch.cuda.stream(stream):
+        waits = list(gate.events.get(index, ())) + self._clones_made(index, group, parts, gate)
+        with rt.on(index, stream):
             try:
-                for event in gate.get(index, ()):
+                for event in waits:
                     stream.wait_event(event)
-                consecutive = group[-1][0] - group[0][0] == len(group) - 1
-                if self.coalesce and len(group) > 1 and consecutive:
+                if self.coalesce and len(group) > 1 and _adjacent(group, parts):
                     self._copy_coalesced(index, group, parts, dst)
                 else:
-                    for i, _ in group:
+                    for i, source in group:  # the tensors the waits above were chosen for
                         provider, start, stop, at = parts[i]
-                        src = source_bytes(provider, source_of(provider), start, stop)
+                        src = source_bytes(provider, source, start, stop)
                         dst[at : at + stop - start].copy_(src, non_blocking=True)
                 for _, source in group:
-                    source.record_stream(stream)  # not reused by the allocator before the copy
-                done = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, not spins
+                    rt.keep(source, stream)  # not reused by the allocator before the copy
+                done = rt.new_event(blocking=True)  # the waiting thread sleeps, not spins
                 done.record(stream)
             except BaseException:
                 stream.synchronize()  # nothing may still write into the pool block
                 raise
         return index, done
+
+    def _clones_made(
+        self, index: int, group: list[tuple[int, torch.Tensor]], parts: Sequence[Part], gate: Gate
+    ) -> list[Any]:
+        """The events the copy of ``group`` waits on besides the gate: one behind each clone it
+        reads (``after_freeze``); for a clone without one, one recorded now on the producing
+        streams, where the clone was queued before its provider handed it out."""
+        events: list[Any] = []
+        unmarked = False
+        with self._lock:
+            for i, source in group:
+                if getattr(parts[i][0], "_frozen", None) is not source:
+                    continue  # the live tensor: the gate orders it
+                event = self._made.get(source)
+                if event is None:
+                    unmarked = True
+                elif all(event is not e for e in events):
+                    events.append(event)
+        if unmarked:
+            for stream in gate.streams.get(index, ()):
+                event = self.runtime.new_event()
+                event.record(stream)
+                events.append(event)
+        return events
 
     def _copy_coalesced(
         self,
@@ -248,6 +329,16 @@ class CudaDevice:
         first, stop, pieces = coalesced_sources(group, parts, self._pads[index])
         staged = torch.cat(pieces)  # allocated on the copy stream: reused only after this copy
         dst[first:stop].copy_(staged, non_blocking=True)
+
+
+def _adjacent(group: list[tuple[int, torch.Tensor]], parts: Sequence[Part]) -> bool:
+    """Whether the parts of ``group`` follow each other in the piece with only alignment padding
+    between them (a re-copy of some of a piece's parts may skip others: never pad over those)."""
+    for (i, _), (j, _) in zip(group, group[1:], strict=False):
+        _, start, stop, at = parts[i]
+        if not 0 <= parts[j][3] - (at + stop - start) < 64:
+            return False
+    return True
 
 
 def coalesced_sources(
@@ -296,11 +387,11 @@ def for_providers(providers: Sequence[StateProvider]) -> CopyDevice:
 
 __all__ = [
     "CPU",
+    "Gate",
     "Completion",
     "CopyDevice",
     "CpuDevice",
     "CudaDevice",
-    "devices_of",
     "for_providers",
     "producing_streams",
     "use_device",

@@ -47,6 +47,9 @@ class Piece:
     #: set once the copy is enqueued on the device (or the piece is done): a fence may follow
     enqueued: Latch = field(default_factory=Latch)
     completion: Completion | None = None
+    #: an optimizer step's stream waits on this piece's copy (``fence_on_device``), and its
+    #: versions were checked then: a bump since came from work queued behind the copy
+    fenced: bool = False
 
     def finish(self) -> None:
         self.admitted.set()
@@ -56,6 +59,22 @@ class Piece:
     def check_unchanged(self, rank: int) -> None:
         for provider, _, _, _ in self.parts:
             provider.check_unchanged(rank)
+
+    def first_fence(self, rank: int, lock: threading.Lock) -> BaseException | None:
+        """An optimizer step's stream now waits on this piece's copy (``fence_on_device``):
+        at the first fence, the error if a source changed since ``stage()`` (queued before the
+        step, not behind the copy). At a later one (a second optimizer, the next step while
+        copies run) None: on a GPU versions move when kernels are enqueued, and every bump
+        since the first fence is a fenced step's or later work on a fenced stream, queued behind
+        the copy (DESIGN §13; a write on another stream is the copy-on-write's to catch)."""
+        with lock:
+            first, self.fenced = not self.fenced, True
+        if first:
+            try:
+                self.check_unchanged(rank)
+            except BaseException as exc:
+                return exc
+        return None
 
 
 class LiveWrite:

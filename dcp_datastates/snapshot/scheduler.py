@@ -34,7 +34,8 @@ import weakref
 from collections.abc import Callable
 
 from .._concurrency.workers import JobThreads
-from .device import Completion
+from ..errors import SnapshotMutationError
+from .device import Completion, source_of
 from .pieces import PENDING, Piece
 from .pool import HostPool
 from .session import SnapshotSession
@@ -158,6 +159,9 @@ class SnapshotScheduler:
     def _enqueue_piece(self, session: SnapshotSession, piece: Piece) -> None:
         error: BaseException | None = None
         completion: Completion | None = None
+        # What each part is copied from now: a part whose provider takes a private copy later
+        # is copied again from it once this copy is done (_recopy_frozen).
+        read = [source_of(provider) for provider, _, _, _ in piece.parts]
         try:
             dst = session.pool.view(piece.offset, piece.nbytes)
             completion = session.device.copy(piece.parts, dst, session.gate)
@@ -176,38 +180,55 @@ class SnapshotScheduler:
                     target=self._complete, name="datastates-copy-done", daemon=True
                 )
                 self._completer.start()
-        self._completions.put((session, piece, completion, error))
+        self._completions.put((session, piece, completion, error, read))
 
     def _complete(self) -> None:
         while (job := self._completions.get()) is not None:
-            session, piece, completion, error = job
+            session, piece, completion, error, read = job
             try:
                 completion.wait()
             except BaseException as exc:
                 error = error or exc
             if error is None:
                 try:
-                    _copy_frozen_parts(session, piece)
+                    _recopy_frozen(session, piece, read)
+                except BaseException as exc:  # fenced or not: the bytes in the pool are wrong
+                    error = exc
+            if error is None:
+                try:
                     piece.check_unchanged(session.rank)
-                except BaseException as exc:
-                    # After a fence the step may bump versions: its kernels run after the copy,
-                    # and the fence checked versions before the step could enqueue them.
-                    if not session.fenced:
+                except SnapshotMutationError as exc:
+                    # A fenced piece's versions were checked at the fence, before the step
+                    # could enqueue its kernels; the bumps since are queued behind the copy.
+                    if not piece.fenced:
                         error = exc
+                except BaseException as exc:
+                    error = exc
             try:
                 session.copied(piece, error)
             except BaseException:  # never let an error die in this thread
                 logger.exception("rank %d: completing snapshot piece %d", session.rank, piece.seq)
-            job = session = piece = error = None  # not held while waiting (_run says why)
+            job = session = piece = error = read = None  # not held while waiting (_run says why)
 
 
-def _copy_frozen_parts(session: SnapshotSession, piece: Piece) -> None:
-    """Parts whose provider took a private copy (``freeze``: eager small tensors, buffers the
-    forward gate saved) are copied again from it: the device copy may have read the live tensor
-    before the freeze, and the live tensor may have changed since."""
-    for provider, start, stop, at in piece.parts:
-        if getattr(provider, "_frozen", None) is not None:
-            provider.copy_into(session.pool.view(piece.offset + at, stop - start), start, stop)
+def _recopy_frozen(session: SnapshotSession, piece: Piece, read: list) -> None:
+    """Parts whose provider took a private copy (``freeze``: buffers the forward gate saved,
+    copy-on-write) after their copy was enqueued are copied again from it: that copy read the
+    live tensor, which may have changed since. Through the session's device, like the first
+    copy: on a GPU the copy stream waits for the clone to be made (``CudaDevice``), where a
+    copy on this thread's stream would be ordered after it only under the legacy default
+    stream."""
+    parts = [
+        part
+        for part, before in zip(piece.parts, read, strict=True)
+        if (now := source_of(part[0])) is not None and now is not before
+    ]
+    if not parts:
+        return
+    dst = session.pool.view(piece.offset, piece.nbytes)
+    again = session.device.copy(parts, dst, session.gate)
+    if again is not None:
+        again.wait()
 
 
 def _copy_piece(session: SnapshotSession, piece: Piece) -> None:

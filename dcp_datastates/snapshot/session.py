@@ -50,7 +50,7 @@ from .._concurrency.latch import Latch
 from ..errors import SnapshotAbortedError
 from ..providers import StateProvider
 from ..providers.tensor import host_copy
-from .device import CPU, CopyDevice, devices_of, for_providers
+from .device import CPU, CopyDevice, for_providers, source_of
 from .pieces import (
     ADMITTED,
     COPIED,
@@ -134,22 +134,17 @@ class SnapshotSession:
         #: Set once the flush of a host copy may start without slowing the snapshot: the
         #: snapshot is staged (or aborted), or it waits for pool space only a flush can free.
         self.flush_may_start = Latch()
+        self.fenced = False  # the step's stream waits on every copy (the guard's fence)
         if deferred:
             self.device = CPU
             self.gate = None
-            self.fenced = False
             return
         self._build(items, chunk_bytes, coalesce_bytes)
         self.planned.set()
-        #: set by the optimizer-step guard once the step's stream waits on every copy
-        self.fenced = False
         self.device: CopyDevice = device or for_providers(list(self.providers.values()))
-        # On the training thread, in stage(): everything queued so far on the producing streams
-        # is what the snapshot copies; the copy streams wait on these events.
+        # stage(), training thread: copy streams wait for what the producing streams queued.
         self.gate: Any = (
-            None
-            if self.device.synchronous
-            else self.device.gate(devices_of(list(self.providers.values())))
+            None if self.device.synchronous else self.device.gate(list(self.providers.values()))
         )
 
     # -- planning --------------------------------------------------------------------------
@@ -401,15 +396,21 @@ class SnapshotSession:
     def freeze_small(self, max_bytes: int) -> int:
         """Copy, on the caller's thread, every tensor of at most ``max_bytes``: later writes to
         such tensors (counters, small statistics) cannot reach the snapshot. Returns bytes."""
-        copied = 0
-        if max_bytes <= 0:
-            return 0
-        for provider in self.providers.values():
-            freeze = getattr(provider, "freeze", None)
-            if freeze is not None and 0 < provider.nbytes <= max_bytes:
-                copied += freeze()
-        self.eager_bytes += copied
+        frozen = [
+            (provider, provider.freeze())
+            for provider in self.providers.values()
+            if getattr(provider, "freeze", None) is not None and 0 < provider.nbytes <= max_bytes
+        ]
+        self.after_freeze([provider for provider, made in frozen if made])
+        self.eager_bytes += (copied := sum(made for _, made in frozen))
         return copied
+
+    def after_freeze(self, providers: Sequence[StateProvider]) -> None:
+        """``providers`` just took private copies (``freeze()``) on this thread: device copies
+        read them once made (``CopyDevice.after_freeze``, which says what happens without)."""
+        made = [t for p in providers if (t := source_of(p)) is not None]
+        if made and not self.device.synchronous:
+            self.device.after_freeze(made)
 
     # -- retiring --------------------------------------------------------------------------
     def _quiet(self) -> bool:
@@ -455,9 +456,8 @@ class SnapshotSession:
         """Make the calling thread's current streams wait for every copy instead of the host.
 
         Waits on the host only until each piece is enqueued (pieces waiting for pool space, or
-        with host parts, are waited for whole). Versions are checked here, before the caller's
-        step can enqueue its in-place kernels: a change since ``stage()`` fails the snapshot.
-        Returns False when the device copies synchronously (the caller waits on the host).
+        with host parts, are waited for whole); checks versions at a piece's first fence only
+        (``Piece.first_fence``). False when the device copies synchronously (the host waits).
         """
         if self.device.synchronous:
             return False
@@ -469,10 +469,9 @@ class SnapshotSession:
             if completion is None or not completion.fence():
                 piece.done.wait()
                 continue
-            try:
-                piece.check_unchanged(self.rank)
-            except BaseException as exc:
-                self.abort(exc)
+            error = piece.first_fence(self.rank, self._lock)
+            if error is not None:
+                self.abort(error)
         self.fenced = True
         return True
 
