@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -393,6 +394,35 @@ def test_an_in_place_change_before_the_step_fails_the_save_naming_the_tensor(
     assert not (tmp_path / METADATA_NAME).exists()
     with fake.background():
         assert pool_drains(writer)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize(
+    "write",
+    [
+        pytest.param(lambda w, shadow: w.mul_(2.0), id="no-grad-decay"),
+        pytest.param(lambda w, shadow: w.data.copy_(shadow), id="ema-copy"),
+    ],
+)
+def test_an_in_place_change_before_the_step_is_copied_first_on_the_device(
+    tmp_path: Path, make_writer, fake: FakeCuda, order: str, write: Any
+) -> None:
+    """Copy-on-write on a GPU: the write is issued behind the gate on the training stream; the
+    clone is queued before it, and the copy reads the clone once it is made (an event)."""
+    weight, optimizer, state = _training_state(fake)
+    before = fake.to_host(weight)
+    writer = make_writer(tmp_path, **SMALL_POOL)
+    with use_device(fake.device()), fake.active():
+        shadow = fake.to_device(torch.full((128, 128), 7.0))
+        response = async_save(state, writer, no_dist=True)
+        with torch.no_grad():
+            write(weight, shadow)
+        optimizer.step()
+    fake.run_until(response.upload_completion, order)
+
+    assert torch.equal(load_like(tmp_path, state, "datastates")["model"]["weight"], before)
+    assert writer.last_stats.cow_bytes == 128 * 128 * 4
+    assert not torch.equal(fake.to_host(weight), before)
 
 
 def test_a_copy_error_reaches_the_save_future_and_the_pool_drains(

@@ -23,7 +23,15 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
-__all__ = ["DispatchMode", "disabled", "in_tracing", "push", "push_under", "remove", "stack"]
+__all__ = [
+    "DispatchMode",
+    "disabled",
+    "in_tracing",
+    "push_device",
+    "push_under",
+    "remove",
+    "stack",
+]
 
 #: A block in which the calling thread's dispatch modes are off (``with disabled(): ...``).
 disabled = _disable_current_modes
@@ -42,15 +50,29 @@ def stack() -> list[DispatchMode]:
     return _get_current_dispatch_mode_stack()
 
 
-def push(mode: DispatchMode) -> None:
-    """Make ``mode`` the calling thread's innermost dispatch mode."""
-    _push_mode(mode)
-
-
 def push_under(mode: DispatchMode) -> None:
-    """Put ``mode`` at the bottom of the calling thread's stack: outermost, so every mode the
-    caller entered still sees operators first and still pops its own at its exit."""
-    above = [_pop_mode() for _ in range(len(stack()))]  # innermost first
+    """Put ``mode`` under every mode the caller entered, so each still sees operators first and
+    still pops its own at its exit; above a simulated device's (``simulates_device``), which
+    stands for the hardware under everything."""
+    _insert(mode, sum(1 for _ in _leading_devices()))
+
+
+def push_device(mode: DispatchMode) -> None:
+    """Put a simulated device's mode at the very bottom of the calling thread's stack."""
+    _insert(mode, 0)
+
+
+def _leading_devices() -> list[DispatchMode]:
+    found = []
+    for m in stack():
+        if not getattr(m, "simulates_device", False):
+            break
+        found.append(m)
+    return found
+
+
+def _insert(mode: DispatchMode, position: int) -> None:
+    above = [_pop_mode() for _ in range(len(stack()) - position)]  # innermost first
     _push_mode(mode)
     for other in reversed(above):
         _push_mode(other)

@@ -471,15 +471,15 @@ class FakeCuda:
 
     @contextlib.contextmanager
     def _mode(self) -> Iterator[None]:
-        # Pushed and removed on this thread's stack only (``_platform.dispatch``): a mode pushed
-        # inside the block, such as copy-on-write's in stage(), may outlive it, above ours.
+        # At the bottom of this thread's stack and removed from under any mode pushed inside
+        # the block (``_platform.dispatch``): copy-on-write's, pushed in stage(), outlives it.
         tls = self._tls
         depth = getattr(tls, "depth", 0)
         tls.depth = depth + 1
         mode = None
         if not depth:
             mode = QueueMode(self)
-            dispatch.push(mode)
+            dispatch.push_device(mode)
         try:
             yield
         finally:

@@ -39,7 +39,11 @@ _VIEWS = {_aten._unsafe_view.default}
 
 
 class QueueMode(dispatch.DispatchMode):
-    """Sends every aten op on this thread to :func:`queue`."""
+    """Sends every aten op on this thread to :func:`queue`. It stands for the hardware: at the
+    bottom of the stack, under copy-on-write's mode (``_platform.dispatch.push_under``), which
+    sees a write as it is issued on the host, as on a real GPU."""
+
+    simulates_device = True
 
     def __init__(self, fake: Any) -> None:
         super().__init__()

@@ -175,6 +175,10 @@ def _buffers(module: torch.nn.Module) -> Iterable[torch.Tensor]:
         yield local() if callable(local) and type(buf) is not torch.Tensor else buf
 
 
+def _nothing(_providers: Any) -> None:  # a process staging's session: host copies only
+    return None
+
+
 def _freeze_tree(module: torch.nn.Module) -> None:
     start = time.perf_counter()
     with _lock:
@@ -188,9 +192,12 @@ def _freeze_tree(module: torch.nn.Module) -> None:
         if buf.numel() == 0:
             continue
         for session, provider in index.get(storage_key(buf), ()):
-            if session in _unguarded:
-                continue
-            frozen[session] = frozen.get(session, 0) + provider.freeze()
+            if session in _unguarded or getattr(session, "fenced", False):
+                continue  # fenced: this stream's forward runs after the copies
+            made = provider.freeze()
+            frozen[session] = frozen.get(session, 0) + made
+            if made:  # on a device: its copies read the private copy once it is made
+                getattr(session, "after_freeze", _nothing)([provider])
     elapsed = time.perf_counter() - start
     for session, nbytes in frozen.items():
         session.forward_frozen_bytes += nbytes
