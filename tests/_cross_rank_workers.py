@@ -28,7 +28,10 @@
                      save failed or what its load gave back.
     dtensor-inplace-MODE  an in-place op through a DTensor (``dt[i].fill_``) as the call
                      returns (before planning starts), which moves the DTensor's own version
-                     counter, not its local tensor's; every rank reports how its save failed.
+                     counter, not its local tensor's; every rank reports how its save failed
+                     (copy-on-write off: the detection layer).
+    dtensor-cow-MODE  the same write with copy-on-write on: every rank reports whether its save
+                     committed and holds the state at the call.
                      MODE ``process``: through the PROCESS executor, on rank 1 only
                      (``dt.add_``), landing before the staging thread's copy.
     replayed         one writer per rank, several saves of plain tensors (replicated ones and
@@ -77,6 +80,9 @@ def sample_errors() -> dict[str, BaseException]:
         "UnsafeCheckpointError": errors.UnsafeCheckpointError(f"rank 1: {CAUSE}"),
         "CheckpointNotCommittedError": errors.CheckpointNotCommittedError(
             errno.ENOENT, f"rank 1: {CAUSE}", "/x/.metadata"
+        ),
+        "CheckpointLoadError": errors.CheckpointLoadError(
+            f"rank 1: {CAUSE}", {3: f"ChecksumMismatchError: {CAUSE}"}
         ),
         "CheckpointSaveError": errors.CheckpointSaveError(
             f"rank 1: {CAUSE}", {1: errors.DataStatesError(CAUSE)}
@@ -375,7 +381,9 @@ def _cached_plans(rank: int, world_size: int, port: int, workdir: Path) -> dict:
     return report
 
 
-def _dtensor_inplace(mode: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
+def _dtensor_inplace(
+    mode: str, rank: int, world_size: int, port: int, workdir: Path, *, cow: bool = False
+) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -386,7 +394,9 @@ def _dtensor_inplace(mode: str, rank: int, world_size: int, port: int, workdir: 
     _init(rank, world_size, port)
     mesh = init_device_mesh("cpu", (world_size,))
     dt = distribute_tensor(torch.zeros(64, 1024), mesh, [Shard(0)])
-    writer = DataStatesWriter(workdir / "unused", guard_optimizer_step=False)
+    # cow: copy-on-write sees the write and copies the shard first; else the detection layer.
+    writer = DataStatesWriter(workdir / "unused", guard_optimizer_step=False, copy_on_write=cow)
+    at_call = dt.full_tensor()
     returning = writer._returning_from_async_save
 
     def written_as_the_call_returns() -> None:
@@ -437,6 +447,10 @@ def _dtensor_inplace(mode: str, rank: int, world_size: int, port: int, workdir: 
         )
     writer.close()
     seen["committed"] = (path / ".metadata").exists()
+    if seen["committed"]:
+        loaded = {"dt": distribute_tensor(torch.full((64, 1024), -1.0), mesh, [Shard(0)])}
+        dcp.load(loaded, checkpoint_id=path)
+        seen["holds_the_call_state"] = torch.equal(loaded["dt"].full_tensor(), at_call)
     print(f"rank {rank}: {seen}", flush=True)
     return seen
 
@@ -568,6 +582,8 @@ def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Pat
         return _split_path(scenario[11:], rank, world_size, port, workdir)
     if scenario.startswith("dtensor-inplace-"):
         return _dtensor_inplace(scenario[16:], rank, world_size, port, workdir)
+    if scenario.startswith("dtensor-cow-"):
+        return _dtensor_inplace(scenario[12:], rank, world_size, port, workdir, cow=True)
     if scenario == "cached-plans":
         return _cached_plans(rank, world_size, port, workdir)
     if scenario == "process-dtensor":

@@ -238,6 +238,20 @@ def test_plan_caching_survives_a_refused_save_and_saves_to_new_paths(tmp_path: P
 
 
 @two_ranks_both_apis
+def test_an_in_place_op_through_a_dtensor_after_the_call_is_copied_first_and_commits(
+    tmp_path: Path, mode: str
+) -> None:
+    """Copy-on-write on two ranks: ``dt[3].fill_`` right after the call (a DTensor op, whose
+    local writes the mode sees through the DTensor) copies the shard first."""
+    results = launch(f"dtensor-cow-{mode}", tmp_path, timeout=140, script=WORKERS)
+    check_all_ok(results)
+    for r in results:
+        seen, where = r.report, f"rank {r.rank}"
+        assert not seen["failed"] and seen["committed"], f"{where}: {seen}"
+        assert seen["holds_the_call_state"], f"{where}: {seen}"
+
+
+@two_ranks_both_apis
 def test_an_in_place_op_through_a_dtensor_after_the_call_fails_the_save(
     tmp_path: Path, mode: str
 ) -> None:

@@ -96,6 +96,10 @@ def _tensors(value: Any) -> Sequence[torch.Tensor]:
 
 def _key(tensor: torch.Tensor) -> int:
     if type(tensor) is DTensor:
+        # A view of a DTensor (``dt[3]``) may hold a local tensor of its own (a sharded dim
+        # redistributed), yet its write moves ``dt``'s version counter: key it by its base.
+        while tensor._base is not None:
+            tensor = tensor._base
         tensor = tensor._local_tensor
     try:
         return storage_key(tensor)

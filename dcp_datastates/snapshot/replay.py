@@ -296,7 +296,7 @@ class CaptureCache:
         aliases = list(map(_detach, big))
         # The big ones' bytes sampled before the caller can write them (the planning thread's
         # samples may come after an in-place op started: providers.tensor.probe_offsets).
-        probes = {id(t): probe(t, t.nbytes) for t in map(big.__getitem__, rec.probed)}
+        probes = {id(t): probe(t, t.nbytes) for t in map(aliases.__getitem__, rec.probed)}
         stacks = _stack_groups(rec, values, spare) if rec.groups else []
         if stacks is None:
             return None
