@@ -71,7 +71,7 @@ FULL: dict[str, Any] = {
     "forward_saves": 5,
     "cow_width": 512,
     "cow_layers": 6,
-    "cow_cycles": 15,
+    "cow_cycles": 20,
     "cow_saves": 4,
     "scale_sizes": "0.5,1,2,4",
     "scale_counts": "100,1000,5000,20000",
