@@ -6,7 +6,8 @@
     python scripts/bench.py limits load --dir /mnt/nvme/bench
 
 Scenarios: limits (disk, memory), save, load, train (with the timeline PNG), forward (a BatchNorm
-loop with an EMA hook: what protecting forward-updated buffers costs), scaling, ranks (two gloo
+loop with an EMA hook: what protecting forward-updated buffers costs), cow (what copy-on-write
+costs a training step, and an EMA evaluation right after a save), scaling, ranks (two gloo
 ranks). Every measurement is printed as one JSON line on stdout (and appended to
 OUT/results.jsonl); the summary tables, with ratios against the stock baselines and the targets
 met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to stderr.
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_lib import (
+    cow,
     forward,
     limits,
     load,
@@ -38,7 +40,7 @@ from bench_lib import (
 )
 from bench_lib.common import GB, Recorder, log
 
-SCENARIOS = ["limits", "save", "load", "train", "forward", "scaling", "ranks"]
+SCENARIOS = ["limits", "save", "load", "train", "forward", "cow", "scaling", "ranks"]
 #: Run only when named (not in "all"): they need the s3 extra and moto.
 EXTRA_SCENARIOS = ["objstore"]
 
@@ -67,6 +69,10 @@ FULL: dict[str, Any] = {
     "forward_blocks": 8,
     "forward_batch": 64,
     "forward_saves": 5,
+    "cow_width": 512,
+    "cow_layers": 6,
+    "cow_cycles": 20,
+    "cow_saves": 4,
     "scale_sizes": "0.5,1,2,4",
     "scale_counts": "100,1000,5000,20000",
     "scale_count_gb": 0.1,
@@ -98,6 +104,10 @@ QUICK: dict[str, Any] = {
     "forward_blocks": 2,
     "forward_batch": 16,
     "forward_saves": 2,
+    "cow_width": 64,
+    "cow_layers": 1,
+    "cow_cycles": 2,
+    "cow_saves": 2,
     "scale_sizes": "0.004,0.008",
     "scale_counts": "10,100",
     "scale_count_gb": 0.004,
@@ -169,6 +179,9 @@ def _parser() -> argparse.ArgumentParser:
         g.add_argument(f"--train-{name}", type=int)
     for name in ("width", "blocks", "batch", "saves"):
         g.add_argument(f"--forward-{name}", type=int)
+    for name in ("width", "layers", "cycles", "saves"):
+        # The model is the train scenario's: --train-vocab and --train-seq size it too.
+        g.add_argument(f"--cow-{name}", type=int)
     g.add_argument("--scale-sizes", help="GB, comma-separated")
     g.add_argument("--scale-counts", help="tensor counts, comma-separated")
     g.add_argument("--scale-count-gb", type=float, help="state size of the tensor-count sweep")
@@ -289,6 +302,16 @@ def _run(args: argparse.Namespace) -> int:
                     blocks=args.forward_blocks,
                     batch=args.forward_batch,
                     saves=args.forward_saves,
+                )
+            elif scenario == "cow":
+                cfg = train.TrainConfig(
+                    width=args.cow_width,
+                    layers=args.cow_layers,
+                    vocab=args.train_vocab,
+                    seq=args.train_seq,
+                )
+                cow.run(
+                    rec, workdir=args.dir, cfg=cfg, cycles=args.cow_cycles, saves=args.cow_saves
                 )
             elif scenario == "scaling":
                 scaling.run(

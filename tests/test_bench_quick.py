@@ -75,6 +75,19 @@ EXPECTED: dict[str, tuple[set[str], set[str]]] = {
         {"ours default", "ours eager only", "ours gate only", "ours unprotected"},
         {"blocked_s", "first_forward_s", "plain_forward_s"},
     ),
+    "cow_step": (
+        {
+            "no snapshot",
+            "no snapshot, pass-through mode",
+            "ours copy_on_write",
+            "ours copy_on_write=False",
+        },
+        {"step_s", "fwd_bwd_s", "opt_s"},
+    ),
+    "cow_ema": (
+        {"ours copy_on_write", "ours copy_on_write=False", "stock dcp.async_save"},
+        {"blocked_s", "eval_after_save_s", "plain_eval_s"},
+    ),
     "scaling": (
         {
             "stock dcp.save t1",
@@ -203,6 +216,8 @@ def test_summary_table_gives_every_target_a_verdict(quick_run: dict[str, Any]) -
         "### Load",
         "### Training",
         "### Forward",
+        "### Copy-on-write: the first training step",
+        "### Copy-on-write: EMA evaluation",
         "### Scaling",
         "### First save",
     ):
@@ -271,6 +286,42 @@ def test_training_target_reports_its_measured_limit(quick_run: dict[str, Any]) -
     if "| met |" not in row:  # a miss carries the limit it was judged against
         assert "floor overhead against stock" in row and "ckpt CPU - idle CPU" in row, row
     assert rows[TRAIN_FLOOR][bound] != "-"  # the floor's own row, beside ours
+
+
+def test_training_table_gives_each_overhead_against_the_floor(quick_run: dict[str, Any]) -> None:
+    stdout = quick_run["stdout"]
+    table = stdout[stdout.index("### Training") :].split("\n\n")[1].splitlines()
+    header = [c.strip() for c in table[0].split("|")]
+    column = header.index("overhead / floor")
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")] for ln in table[2:]}
+    assert rows["no checkpoint"][column] == "-"
+    assert rows["ours async_save"][column].endswith("x")
+    if rows[TRAIN_FLOOR][column] != "-":  # "-" where the floor's median overhead is <= 0
+        assert rows[TRAIN_FLOOR][column] == "1.00x"
+        assert "Ours / the floor's overhead:" in stdout[stdout.index("No-checkpoint block:") :]
+
+
+def test_copy_on_write_pairs_every_step_system_in_each_cycle_and_checks_every_save(
+    quick_run: dict[str, Any],
+) -> None:
+    steps = [r for r in quick_run["records"] if r["scenario"] == "cow_step"]
+    cycles: dict[int, list[str]] = {}
+    for r in steps:
+        cycles.setdefault(r["cycle"], []).append(r["system"])
+        assert r["ops"] > 0
+        if r["system"].startswith("ours"):
+            assert r["blocked_s"] > 0 and r["cow_bytes"] >= 0, r
+    systems = EXPECTED["cow_step"][0]
+    assert len(cycles) >= 2 and all(sorted(c) == sorted(systems) for c in cycles.values())
+    assert len({c[0] for c in cycles.values()}) > 1, cycles  # the order rotates
+    saves = [r for r in quick_run["records"] if r["scenario"] == "cow_ema"]
+    for system in EXPECTED["cow_ema"][0]:
+        done = [r for r in saves if r["system"] == system]
+        assert [r["save"] for r in done] == list(range(len(done))) and len(done) >= 2
+        if system != "ours copy_on_write=False":  # without the mode a save may fail or tear
+            assert all(r["committed"] and r["correct"] for r in done), done
+    stdout = quick_run["stdout"]
+    assert "aten operators" in stdout[stdout.index("### Copy-on-write: the first") :]
 
 
 def test_timeline_png_is_a_valid_png(quick_run: dict[str, Any]) -> None:
