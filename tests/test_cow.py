@@ -348,3 +348,25 @@ def test_a_storage_swapped_after_the_call_leaves_the_snapshot_alone(
         assert torch.equal(loaded["plain"], at_call["plain"])
         for key, value in at_call["model"].items():
             assert torch.equal(loaded["model"][key], value), (i, key)
+
+
+def test_higher_order_operators_and_flex_attention_run_in_the_snapshot_window(
+    tmp_path: Path, make_writer: Any, gate: threading.Event
+) -> None:
+    """``torch.cond`` and FlexAttention are higher-order operators, and FlexAttention compiles
+    its kernel with ``fullgraph=True`` even in eager mode: under a mode that takes neither
+    (torch's default), both raised in the snapshot window."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    weight = nn.Parameter(torch.randn(N), requires_grad=False)
+    at_call = {"w": weight.detach().clone()}
+    response = async_save({"w": weight}, make_writer(tmp_path), no_dist=True)
+    assert cow.active()
+    q = torch.randn(1, 1, 128, 16)
+    assert flex_attention(q, q, q).shape == q.shape
+    assert torch.equal(
+        torch.cond(torch.tensor(True), lambda x: x + 1, lambda x: x - 1, (q,)), q + 1
+    )
+    weight.data.add_(1.0)  # still copied first: the mode is on
+    gate.set()
+    _commits_the_call_state(tmp_path, {"w": torch.zeros(N)}, at_call, response)

@@ -15,9 +15,12 @@ tensor whose storage a snapshot in flight tracks (``forward_gate.tracked``) is f
 (``TensorProvider.freeze``: a private copy on its own device, which the snapshot then copies;
 nothing if it was copied already). Then the write runs.
 
-The mode costs a Python call per operator (about 10-20 us on a small CPU), so it is on only in
-the snapshot window: pushed by ``stage()``, popped on the same thread at the first optimizer
-step or module forward after every snapshot has been copied (the mode stack is per thread).
+The mode costs a Python call per operator (5-15 us on a small CPU, ``bench.py cow``), so it
+is on only in the snapshot window: pushed by ``stage()`` under any mode the caller entered
+(``_platform/dispatch.py``), removed on the same thread at the first optimizer step or module
+forward after every snapshot has been copied, or at ``close()`` / ``synchronize_staging()``
+(the mode stack is per thread). Higher-order operators pass through, and ``torch.compile``
+compiles as without it.
 
 What it does not see (the version counter and stage-time probes remain the check there, and a
 change they see fails the save): writes on other threads, writes NumPy makes through an array
@@ -109,6 +112,19 @@ def _key(tensor: torch.Tensor) -> int:
 
 class _CopyOnWrite(DispatchMode):
     """Freezes tracked tensors an operator is about to write (module docstring)."""
+
+    #: Higher-order operators (``flex_attention``, ``cond``) come here too and pass through:
+    #: without it, torch refuses them under any mode that does not say it takes them, and a
+    #: model using FlexAttention in eager mode failed in the snapshot window.
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """``torch.compile`` runs as without the mode (a compiled graph's writes are the
+        version counter's to catch, as they were for graphs compiled before the save): with
+        the default, a compilation in the snapshot window fell back to eager, and FlexAttention,
+        which compiles its kernel with ``fullgraph=True`` even in eager mode, failed."""
+        return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         written = _writes.get(func)
