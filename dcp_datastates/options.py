@@ -50,7 +50,9 @@ class WriterOptions:
             the save (forward, ``torch.no_grad()`` updates, ``load_state_dict``, ``.data``, views)
             to a tensor not copied yet copies that tensor first, on its own device, and the
             snapshot takes that copy (``snapshot/cow.py``). Costs a Python call per operator on
-            that thread while the snapshot is in flight. Off, such a write fails the save.
+            that thread while the snapshot is in flight. Off, such a write fails the save where
+            the version counter or sampled bytes show it, and one through ``.data`` to a tensor
+            under 4 MiB can commit torn.
         eager_copy_bytes: Tensors of at most this many bytes are copied during ``stage()`` itself,
             so any later in-place change (a step counter) leaves the checkpoint alone. 0 turns it
             off.
