@@ -545,10 +545,15 @@ def test_a_state_larger_than_the_pool_round_trips_through_each_device_layer(
 class _BrokenFence(CudaDevice):
     """A device whose stream wait fails: the guard must fall back to waiting on the host."""
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fence_failed = threading.Event()
+
     def copy(self, parts, dst, gate):
         completion = super().copy(parts, dst, gate)
 
         def fence() -> bool:
+            self.fence_failed.set()
             raise RuntimeError("cudaStreamWaitEvent failed")
 
         if completion is not None:
@@ -562,11 +567,15 @@ def test_a_failing_fence_falls_back_to_the_host_wait(
     weight, optimizer, state = _training_state(fake)
     before = fake.to_host(weight)
     waits = guard.waits
-    with use_device(_BrokenFence(runtime=fake)), fake.active():
+    device = _BrokenFence(runtime=fake)
+    with use_device(device), fake.active():
         response = async_save(state, make_writer(tmp_path, **SMALL_POOL), no_dist=True)
     with _step_began() as began:
         stepper = fake.spawn(optimizer.step)
         assert began.wait(EVENT_TIMEOUT_S)
+        # The device runs only once the fence failed: run earlier, it could finish the copies
+        # first, and the step then needs neither a fence nor a wait (a CI run saw it).
+        assert device.fence_failed.wait(EVENT_TIMEOUT_S)
         fake.run_until(stepper, COMPUTE_FIRST)
     assert guard.waits == waits + 1
     fake.run_until(response.upload_completion)
