@@ -169,14 +169,15 @@ def stage_for_process(
     try:
         if state_error is not None:
             raise state_error
-        return _stage_for_process(
-            state_dict,
-            guard=guard,
-            guard_forward=guard_forward,
-            copy_on_write=copy_on_write,
-            eager_copy_bytes=eager_copy_bytes,
-            relay=relay,
-        )
+        with _cow.paused():  # the call's own reads and copies are not writes to watch
+            return _stage_for_process(
+                state_dict,
+                guard=guard,
+                guard_forward=guard_forward,
+                copy_on_write=copy_on_write,
+                eager_copy_bytes=eager_copy_bytes,
+                relay=relay,
+            )
     except Exception as exc:
         if relay is None or not relay(exc):
             raise

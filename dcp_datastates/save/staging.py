@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 
 from .. import _dcp_private
 from ..options import WriterOptions
+from ..snapshot import cow as _cow
 from ..snapshot.capture import Capture
 from ..snapshot.replay import CaptureCache
 from ..snapshot.session import SnapshotSession
@@ -84,7 +85,8 @@ class ThreadStaging:
         path_turns.end_owned()  # a plain dcp.save this thread ran has returned
         turn = path_turns.take(path)
         try:
-            staged = self._stage_session(state_dict, call, stats, turn, start, announced)
+            with _cow.paused():  # the call's own reads and copies are not writes to watch
+                staged = self._stage_session(state_dict, call, stats, turn, start, announced)
         except BaseException:
             turn.leave()  # no save will run: the saves after it need not wait
             raise
