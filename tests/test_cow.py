@@ -370,3 +370,28 @@ def test_higher_order_operators_and_flex_attention_run_in_the_snapshot_window(
     weight.data.add_(1.0)  # still copied first: the mode is on
     gate.set()
     _commits_the_call_state(tmp_path, {"w": torch.zeros(N)}, at_call, response)
+
+
+def test_a_save_right_after_a_save_does_not_run_its_own_work_through_the_mode(
+    tmp_path: Path, make_writer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No forward or step between two saves leaves the first save's mode on the thread; the
+    second ``stage()`` aliases and copies every tensor, and through the mode that cost 62 ms
+    instead of 22 at 20,000 tensors. It pauses the mode instead."""
+    writer = make_writer(tmp_path, eager_copy_bytes=64)
+    state = {f"t{i}": torch.randn(64 if i % 2 else 8) for i in range(200)}
+    first = async_save(state, writer, checkpoint_id=str(tmp_path / "a"), no_dist=True)
+    first.upload_completion.result(timeout=EVENT_TIMEOUT_S)
+    assert cow.active()  # nothing popped it: no forward, no step
+    seen: list[str] = []
+    through = cow._CopyOnWrite.__torch_dispatch__
+
+    def counting(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        seen.append(str(func))
+        return through(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(cow._CopyOnWrite, "__torch_dispatch__", counting)
+    second = async_save(state, writer, checkpoint_id=str(tmp_path / "b"), no_dist=True)
+    assert seen == [], seen[:5]
+    assert cow.active()  # the second save's own mode
+    second.upload_completion.result(timeout=EVENT_TIMEOUT_S)
