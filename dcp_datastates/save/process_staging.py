@@ -137,7 +137,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class _Protected:
-    """What the forward gate needs of a staging: its tensors, its future, its figures."""
+    """What the forward gate and copy-on-write need of a staging: its tensors, its future, its
+    figures, and a session's two device members (host copies: never fenced, nothing to order)."""
+
+    fenced = False
 
     def __init__(self, providers: list[TensorProvider], staged: Future[None]) -> None:
         self.providers = providers
@@ -149,6 +152,9 @@ class _Protected:
 
     def raw_providers(self) -> list[TensorProvider]:
         return [p for p in self.providers if p.nbytes > 0]
+
+    def after_freeze(self, providers: list[TensorProvider]) -> None:
+        return None  # host clones are made when freeze() returns
 
 
 def stage_for_process(

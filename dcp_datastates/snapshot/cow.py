@@ -158,7 +158,7 @@ def before_write(tensors: Sequence[torch.Tensor], what: Any = "a write") -> None
             made = provider.freeze()
             frozen[session] = frozen.get(session, 0) + made
             if made:  # on a device: its copies read the private copy once it is made
-                getattr(session, "after_freeze", _nothing)([provider])
+                session.after_freeze([provider])
     if not frozen:
         return
     elapsed = time.perf_counter() - start
@@ -169,10 +169,6 @@ def before_write(tensors: Sequence[torch.Tensor], what: Any = "a write") -> None
         session.cow_bytes += nbytes
         session.cow_blocked_s += elapsed
     logger.debug("%s: copied %d bytes before it in %.6fs", what, sum(frozen.values()), elapsed)
-
-
-def _nothing(_providers: Any) -> None:  # a process staging's session: host copies only
-    return None
 
 
 def activate() -> None:

@@ -175,10 +175,6 @@ def _buffers(module: torch.nn.Module) -> Iterable[torch.Tensor]:
         yield local() if callable(local) and type(buf) is not torch.Tensor else buf
 
 
-def _nothing(_providers: Any) -> None:  # a process staging's session: host copies only
-    return None
-
-
 def _freeze_tree(module: torch.nn.Module) -> None:
     start = time.perf_counter()
     with _lock:
@@ -192,12 +188,12 @@ def _freeze_tree(module: torch.nn.Module) -> None:
         if buf.numel() == 0:
             continue
         for session, provider in index.get(storage_key(buf), ()):
-            if session in _unguarded or getattr(session, "fenced", False):
+            if session in _unguarded or session.fenced:
                 continue  # fenced: this stream's forward runs after the copies
             made = provider.freeze()
             frozen[session] = frozen.get(session, 0) + made
             if made:  # on a device: its copies read the private copy once it is made
-                getattr(session, "after_freeze", _nothing)([provider])
+                session.after_freeze([provider])
     elapsed = time.perf_counter() - start
     for session, nbytes in frozen.items():
         session.forward_frozen_bytes += nbytes
@@ -230,11 +226,7 @@ def tracked(key: int) -> list[tuple[Any, Any]]:
     """The ``(session, provider)`` pairs of copy-on-write snapshots in flight whose tensor
     lives in the storage whose base address is ``key``. A session the optimizer step fenced on
     the device is left out: every write enqueued after the fence runs after its copies."""
-    return [
-        entry
-        for entry in _by_storage.get(key, ())
-        if entry[0] in _cow and not getattr(entry[0], "fenced", False)
-    ]
+    return [entry for entry in _by_storage.get(key, ()) if entry[0] in _cow and not entry[0].fenced]
 
 
 def installed() -> bool:
