@@ -82,6 +82,11 @@ class WriterOptions:
         overwrite: Allow saving into a directory that already holds a committed checkpoint. The old
             commit record is removed before any data is written, so a crash mid-overwrite leaves an
             uncommitted directory, never a checkpoint that mixes old and new data.
+        incremental: Do not copy or write again a host tensor that provably did not change
+            since this writer's last committed save (a frozen base, frozen embeddings): the
+            data file holding its record is hard-linked whole into the new checkpoint, which
+            stays complete and self-standing (``save/incremental.py`` states the rule). Local
+            checkpoints only; off by default (README, "Incremental saves", says why).
         storage_options: Keyword arguments for the fsspec file system of a URL path (for
             ``s3://``: ``endpoint_url``, ``key``, ``secret``, ``client_kwargs``, ...; see
             ``docs/storage.md``). Ignored for local paths.
@@ -106,6 +111,7 @@ class WriterOptions:
     direct_writes: bool = True
     live_flush: bool | None = None
     overwrite: bool = True
+    incremental: bool = False
     # Not hashed (a dict is not hashable; the PROCESS daemon keys its runtimes by options), but
     # compared: options that differ only here are still different options.
     storage_options: Mapping[str, Any] | None = field(default=None, hash=False)
@@ -151,6 +157,7 @@ class WriterOptions:
             "sync_files",
             "direct_writes",
             "overwrite",
+            "incremental",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
