@@ -151,6 +151,8 @@ class ThreadStaging:
             )
         else:
             assert items is not None
+            if self.increments is not None:
+                incremental.reuse(items, self.increments, path, rank)
             session = self.runtime.new_session(
                 items, rank, expected_bytes=_expected_write_bytes(items, call)
             )
