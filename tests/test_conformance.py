@@ -5,7 +5,8 @@ Every test is parametrized by ``impl``: ``stock`` runs it with ``FileSystemWrite
 very same arguments (a drop-in is a class-name change). Checkpoints are loaded with both readers
 and compared with what was saved: sync and async saves, objects and ``io.BytesIO`` values,
 overwrite, compression, incremental saves, storage ids, custom planners, plan caching, legacy
-metadata types, and (on two gloo ranks, ``_conformance_workers.py``) sharded and replicated DTensors, resharding,
+metadata types, and (on two gloo ranks, ``_conformance_workers.py``) sharded and replicated
+DTensors, resharding,
 repeated cached-plan async saves and ``use_collectives=False``.
 """
 

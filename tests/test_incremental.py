@@ -10,15 +10,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _s3_server
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from dcp_datastates import Checkpointer, DataStatesWriter
+from _s3_server import S3Env
+
+from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+from dcp_datastates.checkpointers.tiers import Tier, TieredCheckpointer
 from dcp_datastates.cli import main as cli_main
 from dcp_datastates.format import LINKED_DATA
+from dcp_datastates.storage.s3 import S3Storage
+
+moto_server, s3 = _s3_server.moto_server, _s3_server.s3
 
 BASE = 4 * 64 * 256 * 4  # bytes of the frozen model's weights
 
@@ -221,3 +228,48 @@ def test_retention_keeps_the_newest_incremental_checkpoint_whole(tmp_path: Path)
     loaded = _stock_load(newest, expected)
     assert all(torch.equal(loaded[k], v) for k, v in expected.items())
     assert cli_main(["verify", str(newest)]) == 0
+
+
+def test_tiered_upload_of_an_incremental_step_copies_linked_files_server_side(
+    tmp_path: Path, s3: S3Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copies: list[str] = []
+    real = S3Storage.copy_within
+
+    def counted(self: S3Storage, name: str, source_key: str, size: int) -> None:
+        real(self, name, source_key, size)
+        copies.append(source_key)
+
+    monkeypatch.setattr(S3Storage, "copy_within", counted)
+    model = _Model()
+    tiers = TieredCheckpointer(
+        Tier(url=str(tmp_path / "local"), keep=1),
+        Tier(url=s3.url("run"), keep=1, storage_options=s3.options()),
+        incremental=True,
+        flush_workers=1,
+    )
+    try:
+        for step in (1, 2, 3):
+            _train(model)
+            tiers.save(_state(model), step).remote.result(30)
+            tiers.wait()
+            # Each upload after the first copies the linked file from the step before, which
+            # the remote retention (keep=1) deletes once this one is committed.
+            assert len(copies) == step - 1
+            assert (
+                copies
+                == [f"run/step-{s}/__0_{'0' if s == 1 else 'k0'}.distcp" for s in (1, 2)][
+                    : step - 1
+                ]
+            )
+        assert tiers.committed_steps(tiers.remote) == [3]
+        expected = model.state_dict()
+        out = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}, "step": 0}
+        shutil.rmtree(tmp_path / "local")  # the remote copy alone
+        dcp.load(
+            out,
+            storage_reader=DataStatesReader(s3.url("run", "step-3"), storage_options=s3.options()),
+        )
+        assert all(torch.equal(out["model"][k], v) for k, v in expected.items())
+    finally:
+        tiers.close()
