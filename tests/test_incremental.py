@@ -14,10 +14,9 @@ import _s3_server
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _s3_server import S3Env
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
-
-from _s3_server import S3Env
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.checkpointers.tiers import Tier, TieredCheckpointer
