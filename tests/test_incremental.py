@@ -10,10 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _incremental_workers
 import _s3_server
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dist_workers import check_all_ok, launch
 from _s3_server import S3Env
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
@@ -272,3 +274,14 @@ def test_tiered_upload_of_an_incremental_step_copies_linked_files_server_side(
         assert all(torch.equal(out["model"][k], v) for k, v in expected.items())
     finally:
         tiers.close()
+
+
+def test_each_rank_links_its_own_files(tmp_path: Path) -> None:
+    results = launch("ranks", tmp_path, script=_incremental_workers.__file__)
+    check_all_ok(results)
+    for r in results:
+        linked = r.report["linked"]
+        assert linked[0] == [] and linked[1] and linked[2], (r.rank, linked)
+        assert all(n.startswith(f"__{r.rank}_k") for n in linked[1] + linked[2])
+        assert r.report["written"][2] < 4096  # the adapter's record alone
+        assert r.report["loaded_ok"]
