@@ -285,3 +285,20 @@ def test_each_rank_links_its_own_files(tmp_path: Path) -> None:
         assert all(n.startswith(f"__{r.rank}_k") for n in linked[1] + linked[2])
         assert r.report["written"][2] < 4096  # the adapter's record alone
         assert r.report["loaded_ok"]
+
+
+@pytest.mark.parametrize("then", ["removed", "replaced"])
+def test_a_proven_file_removed_or_replaced_before_the_flush_is_copied_from_the_open_file(
+    tmp_path: Path, then: str
+) -> None:
+    from dcp_datastates.save.incremental import _link, _Source
+
+    older = tmp_path / "older.distcp"
+    older.write_bytes(b"proven records")
+    source = _Source(str(older))
+    older.unlink()  # retention deleted the older checkpoint meanwhile
+    if then == "replaced":  # or a save over it wrote a new file there
+        older.write_bytes(b"other bytes!!!")
+    _link(source, str(tmp_path / "new.distcp"), sync=True)
+    source.close()
+    assert (tmp_path / "new.distcp").read_bytes() == b"proven records"

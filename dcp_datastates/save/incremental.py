@@ -39,6 +39,7 @@ writer) writes its first save in full.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -105,6 +106,20 @@ def record_crc(provider: TensorProvider) -> int:
     return crc32c(frame.tail, value=crc32c(data, value=crc32c(frame.head)))
 
 
+class _Source:
+    """An older data file, opened when its records are proven: what is linked is that very file
+    even if its name is removed (retention) or replaced (a save over that checkpoint) before
+    the flush links it; then it is copied from the open file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.file = open(path, "rb")  # noqa: SIM115 - closed by link() or release()
+        self.inode = os.fstat(self.file.fileno()).st_ino
+
+    def close(self) -> None:
+        self.file.close()
+
+
 class LinkedProvider:
     """An item whose record is reused: nothing to copy (``nbytes`` 0), nothing to write; the
     flush links ``source`` into the new checkpoint and reports ``info`` there."""
@@ -114,7 +129,9 @@ class LinkedProvider:
     frame = None
     payload = None
 
-    def __init__(self, fqn: str, provider: TensorProvider, info: RecordInfo, source: str) -> None:
+    def __init__(
+        self, fqn: str, provider: TensorProvider, info: RecordInfo, source: _Source
+    ) -> None:
         self.fqn = fqn
         self.shape, self.dtype = provider.shape, provider.dtype
         self.info = info
@@ -129,6 +146,9 @@ class LinkedProvider:
 
     def check_unchanged(self, rank: int) -> None:
         pass
+
+    def release(self) -> None:
+        self.source.close()
 
 
 @dataclass
@@ -206,15 +226,27 @@ def reuse(items: list[tuple[Any, Any]], memo: IncrementalMemo, path: str, rank: 
         if sum(info.length for _, info in candidates) < LINK_MIN_SHARE * known[1]:
             continue  # before reading anything
         files[name] = (source, known[1], candidates)
+    # Opened before the proofs: the file proven (same inode as when written) is the one linked.
+    opened: dict[str, _Source] = {}
+    for name, (source, _, _) in list(files.items()):
+        try:
+            opened[name] = _Source(source)
+        except OSError:
+            del files[name]
+            continue
+        if opened[name].inode != last.files[name][0]:
+            opened.pop(name).close()
+            del files[name]
     proven = _prove([c for _, _, cs in files.values() for c in cs], items, manifest)
     reused = 0
-    for source, size, candidates in files.values():
+    for name, (_, size, candidates) in files.items():
         good = [(i, info) for i, info in candidates if i in proven]
         if sum(info.length for _, info in good) < LINK_MIN_SHARE * size:
+            opened[name].close()
             continue
         for i, info in good:
             item, provider = items[i]
-            items[i] = (item, LinkedProvider(provider.fqn, provider, info, source))
+            items[i] = (item, LinkedProvider(provider.fqn, provider, info, opened[name]))
             reused += info.data_length
     if reused:
         logger.info("rank %d: %.1f MB unchanged since %s, linked", rank, reused / 1e6, last.root)
@@ -267,29 +299,40 @@ def link(
         return []
     if not isinstance(storage, LocalStorage):  # pragma: no cover - reuse() checked the path
         raise AssertionError("incremental links need a local checkpoint")
-    names: dict[str, str] = {}
+    names: dict[_Source, str] = {}
     results = []
     for item in items:
         provider: LinkedProvider = providers[item.index]
-        name = names.get(provider.source)
+        source = provider.source
+        name = names.get(source)
         if name is None:
-            name = names[provider.source] = f"{prefix}k{len(names)}{DATA_SUFFIX}"
-            target = storage.describe(name)
-            storage.remove(name)
-            try:
-                os.link(provider.source, target)
-            except OSError as exc:
-                logger.info("copying %s to %s (no hard link: %s)", provider.source, target, exc)
-                _copy(provider.source, target, sync=sync)
+            name = names[source] = f"{prefix}k{len(names)}{DATA_SUFFIX}"
+            _link(source, storage.describe(name), sync=sync)
         info = replace(provider.info, relative_path=name)
         # size_in_bytes: what this save wrote for it (SaveStats.bytes_written sums them).
         results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=info))
+    for source in names:
+        source.close()
     return results
 
 
-def _copy(source: str, target: str, *, sync: bool) -> None:
-    with open(source, "rb") as src, open(target, "wb") as dst:
-        shutil.copyfileobj(src, dst, 16 << 20)
+def _link(source: _Source, target: str, *, sync: bool) -> None:
+    """``target`` becomes a hard link of ``source``'s file, or, where the file system refuses
+    one or the name now holds another file, a copy of the open file."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(target)
+    try:
+        os.link(source.path, target)
+        if os.stat(target).st_ino == source.inode:
+            return
+        os.unlink(target)
+        why = "the older checkpoint's file was replaced"
+    except OSError as exc:
+        why = str(exc)
+    logger.info("copying %s to %s (no hard link: %s)", source.path, target, why)
+    source.file.seek(0)
+    with open(target, "wb") as dst:
+        shutil.copyfileobj(source.file, dst, 16 << 20)
         dst.flush()
         if sync:
             os.fsync(dst.fileno())
