@@ -302,3 +302,25 @@ def test_a_proven_file_removed_or_replaced_before_the_flush_is_copied_from_the_o
     _link(source, str(tmp_path / "new.distcp"), sync=True)
     source.close()
     assert (tmp_path / "new.distcp").read_bytes() == b"proven records"
+
+
+def test_a_restarted_checkpointer_reuses_what_its_bytes_prove_unchanged(tmp_path: Path) -> None:
+    model = _Model()
+    first = Checkpointer(tmp_path, every_steps=1, incremental=True, flush_workers=1)
+    first.save(1, _state(model))
+    first.close()
+    model.base[2].weight.detach().numpy()[0, 0] = 42.0  # while no process watched it
+    _train(model)
+    again = Checkpointer(tmp_path, every_steps=1, incremental=True, flush_workers=2)
+    again.save(2, _state(model))
+    again.wait()
+    stats = again.writer.last_stats
+    again.close()
+    newest = next(p for p in tmp_path.iterdir() if p.name.startswith("step") and "2" in p.name)
+    linked = _linked(newest)
+    assert linked and stats is not None
+    assert 64 * 256 * 4 < stats.bytes_written < BASE  # the changed tensor, not the others
+    shutil.rmtree(next(p for p in tmp_path.iterdir() if p.is_dir() and p != newest))
+    expected = model.state_dict()
+    loaded = _stock_load(newest, expected)
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())

@@ -52,6 +52,7 @@ from .._concurrency.signals import wait_in_slices
 from ..errors import CheckpointSaveError, StorageWriteError, unknown_options
 from ..format import LATEST_NAME
 from ..options import WriterOptions
+from ..save import incremental
 from ..save.api import async_save
 from ..save.compat import STOCK_WRITER_ARGS
 from ..save.writer import DataStatesWriter
@@ -239,6 +240,9 @@ class Checkpointer:
         if step == self._committed_step:
             return False  # already committed from this state: nothing to save
         path = steps.path(self.root, step) + (steps.REPLACING if agreed.replacing else "")
+        newest = self.latest_step()
+        if newest is not None:  # after a restart, incremental saves reuse its records (proven)
+            incremental.seed(self.writer, steps.path(self.root, newest), self._rank())
         response = async_save(app_state, self.writer, checkpoint_id=path, **self._save_kwargs())
         done = threading.Event()
         with self._lock:

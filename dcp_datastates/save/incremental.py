@@ -34,7 +34,9 @@ Anything else is written, as without the option. What the rule cannot see: a cha
 the record's CRC-32C (2^-32 for a random change; CRC-32C catches every burst of up to 32 bits),
 and, as for every lazy snapshot, a NumPy write after ``stage()`` returned, before (4) read the
 tensor (README, "Copy-on-write"). Evidence lives in the writer's memory only: a new process (or
-writer) writes its first save in full.
+writer) writes its first save in full, unless it is seeded with the last committed checkpoint
+(:func:`seed`; ``Checkpointer`` does it with its newest step), whose records it then reuses on
+the content proof alone.
 """
 
 from __future__ import annotations
@@ -207,7 +209,10 @@ def reuse(items: list[tuple[Any, Any]], memo: IncrementalMemo, path: str, rank: 
     by_file: dict[str, list[tuple[int, RecordInfo]]] = {}
     for i, (item, provider) in enumerate(items):
         found = last.records.get(_key(item.index))
-        if found is None or found[1] != evidence_of(provider):
+        if found is None:
+            continue
+        ev = evidence_of(provider)
+        if ev is None or (found[1] is not None and found[1] != ev):  # None: seeded, see seed()
             continue
         info = found[0]
         if info.kind == "tensor" and info.data_length == provider.nbytes:
@@ -381,6 +386,36 @@ def remember(
             files[info.relative_path] = st
         records[key] = (info, ev)
     memo.put(rank, _Committed(root, commit_rank, records, files))
+
+
+def seed(writer: Any, path: str, rank: int) -> int:
+    """A writer in a new process: let its first save reuse this rank's records of the committed
+    checkpoint at ``path`` (a ``Checkpointer`` passes its newest step). Without evidence from
+    this process, each record is reused on its content proof alone (rules 1, 3-6: the tensor's
+    bytes must give the record's CRC-32C), so that save reads every host tensor whose record
+    matches in length once. Returns the records offered; 0 where the writer is not incremental,
+    already saved, or ``path`` is not a committed local checkpoint."""
+    memo = getattr(getattr(writer, "_staging", None), "increments", None)
+    if memo is None or memo.last(rank) is not None or not is_local(path):
+        return 0
+    root = _abs(path)
+    manifest = _committed_manifest(_Committed(root, None, {}, {}))
+    if manifest is None:
+        return 0
+    records: dict[str, tuple[RecordInfo, tuple[Any, ...] | None]] = {}
+    files: dict[str, tuple[int, int, int]] = {}
+    for key, info in manifest.items():
+        name = info.relative_path
+        if info.kind != "tensor" or not name.startswith(f"__{rank}_"):
+            continue
+        if name not in files:
+            st = _stat(os.path.join(root, name))
+            if st is None:
+                continue
+            files[name] = st
+        records[key] = (info, None)
+    memo.put(rank, _Committed(root, None, records, files))  # type: ignore[arg-type]
+    return len(records)
 
 
 def _abs(path: str) -> str:
