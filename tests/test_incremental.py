@@ -324,3 +324,21 @@ def test_a_restarted_checkpointer_reuses_what_its_bytes_prove_unchanged(tmp_path
     expected = model.state_dict()
     loaded = _stock_load(newest, expected)
     assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("way", ["copy_object", "upload_part_copy"])
+def test_a_server_side_copy_holds_the_source_bytes(
+    s3: S3Env, monkeypatch: pytest.MonkeyPatch, way: str
+) -> None:
+    from dcp_datastates.storage import s3 as s3_module
+
+    if way == "upload_part_copy":  # as for an object past CopyObject's 5 GB
+        monkeypatch.setattr(s3_module, "_COPY_OBJECT_MAX", 0)
+    blob = os.urandom(6 << 20)
+    s3.client().put_object(Bucket=s3.bucket, Key="a/__0_0.distcp", Body=blob)
+    target = S3Storage(s3.url("b"), s3.options())
+    target.copy_within("__0_k0.distcp", "a/__0_0.distcp", len(blob))
+    body = s3.client().get_object(Bucket=s3.bucket, Key="b/__0_k0.distcp")["Body"].read()
+    assert body == blob
+    with pytest.raises(OSError):  # a source retention deleted: the caller uploads instead
+        target.copy_within("__0_k1.distcp", "a/gone.distcp", len(blob))
