@@ -82,6 +82,7 @@ def test_unchanged_tensors_are_linked_and_each_checkpoint_loads_alone(
             assert writer.last_stats.bytes_written > BASE and not _linked(tmp_path / "s0")
         else:  # only the adapter's records (and framing) are written
             assert writer.last_stats.bytes_written < 16 << 10
+            assert writer.last_stats.linked_bytes > BASE
             assert _linked(tmp_path / f"s{step}")
     writer.close()
     assert cli_main(["verify", str(tmp_path / "s2")]) == 0

@@ -54,7 +54,14 @@ import torch
 from crc32c import crc32c
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..format import DATA_SUFFIX, RecordInfo, decode_manifest, manifest_key, manifest_name
+from ..format import (
+    DATA_SUFFIX,
+    LINKED_DATA,
+    RecordInfo,
+    decode_manifest,
+    manifest_key,
+    manifest_name,
+)
 from ..format import metadata_name as _metadata_name
 from ..providers.tensor import TensorProvider
 from ..storage.base import LocalStorage, Storage, is_local
@@ -341,6 +348,17 @@ def _link(source: _Source, target: str, *, sync: bool) -> None:
         dst.flush()
         if sync:
             os.fsync(dst.fileno())
+
+
+def linked_bytes(results: list[WriteResult]) -> int:
+    """Bytes of the records in ``results`` that :func:`link` reused."""
+    return sum(
+        r.storage_data.length
+        for r in results
+        if r.size_in_bytes == 0
+        and isinstance(r.storage_data, RecordInfo)
+        and LINKED_DATA.match(r.storage_data.relative_path)
+    )
 
 
 def evidence(items: Sequence[Any], providers: dict[Any, Any]) -> dict[str, tuple[Any, ...]]:

@@ -201,6 +201,7 @@ def flushed(
     )
     stats.items = len(results)
     stats.bytes_written = sum(r.size_in_bytes for r in results)
+    stats.linked_bytes = incremental.linked_bytes(results)
     stats.pool_bytes = runtime.pool_capacity
     stats.pool_peak_bytes = runtime.pool_peak
     if not save.is_coordinator:
