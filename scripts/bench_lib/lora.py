@@ -131,12 +131,12 @@ def _one(
         dcp.save(state, storage_writer=writer, checkpoint_id=path)
         durable = time.perf_counter() - start
         written, inodes = _new_bytes(path, inodes)
-        rec.emit(
-            "lora",
-            system,
-            {"durable_s": durable, "written_gb": written / GB, "changed_gb": changed / GB},
-            save=i,
-        )
+        figures = {"durable_s": durable, "written_gb": written / GB, "changed_gb": changed / GB}
+        stats = getattr(writer, "last_stats", None)
+        if stats is not None:  # ours: where the time went (planning = wall - the stats' durable)
+            figures["planning_s"] = max(1e-6, durable - stats.durable_s)
+            figures["flushed_s"], figures["commit_s"] = stats.flushed_s, stats.commit_s
+        rec.emit("lora", system, figures, save=i)
         log(f"lora: {system} save {i}: {durable:.3f} s, {written / 1e6:.1f} MB written")
         changed_part.append(_clone({"adapters": adapters.state_dict(), "optim": opt.state_dict()}))
     if hasattr(writer, "close"):
