@@ -131,7 +131,7 @@ class _Source:
 
 class LinkedProvider:
     """An item whose record is reused: nothing to copy (``nbytes`` 0), nothing to write; the
-    flush links ``source`` into the new checkpoint and reports ``info`` there."""
+    flush links ``older_file`` into the new checkpoint and reports ``info`` there."""
 
     kind = "tensor"
     nbytes = 0
@@ -144,7 +144,9 @@ class LinkedProvider:
         self.fqn = fqn
         self.shape, self.dtype = provider.shape, provider.dtype
         self.info = info
-        self.source = source  # the file in the older checkpoint
+        # The file in the older checkpoint (not ``source``: the snapshot reads a provider's
+        # ``source`` as the tensor it copies from).
+        self.older_file = source
         self.evidence = evidence_of(provider)
 
     def split(self, max_bytes: int) -> list[tuple[int, int]]:
@@ -157,7 +159,7 @@ class LinkedProvider:
         pass
 
     def release(self) -> None:
-        self.source.close()
+        self.older_file.close()
 
 
 @dataclass
@@ -315,7 +317,7 @@ def link(
     results = []
     for item in items:
         provider: LinkedProvider = providers[item.index]
-        source = provider.source
+        source = provider.older_file
         name = names.get(source)
         if name is None:
             name = names[source] = f"{prefix}k{len(names)}{DATA_SUFFIX}"
