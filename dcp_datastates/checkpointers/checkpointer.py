@@ -240,9 +240,8 @@ class Checkpointer:
         if step == self._committed_step:
             return False  # already committed from this state: nothing to save
         path = steps.path(self.root, step) + (steps.REPLACING if agreed.replacing else "")
-        newest = self.latest_step()
-        if newest is not None:  # after a restart, incremental saves reuse its records (proven)
-            incremental.seed(self.writer, steps.path(self.root, newest), self._rank())
+        if self.writer.options.incremental:
+            self._seed_incremental()
         response = async_save(app_state, self.writer, checkpoint_id=path, **self._save_kwargs())
         done = threading.Event()
         with self._lock:
@@ -336,6 +335,16 @@ class Checkpointer:
             steps.purge(self.root, newest, self.keep_latest_k)
 
     # -- loading -------------------------------------------------------------------------------
+    def _seed_incremental(self) -> None:
+        """After a restart, an incremental writer's first save may reuse the newest step's
+        records (``incremental.seed``: on their content proof alone)."""
+        try:
+            newest = self.latest_step()
+        except (OSError, ValueError):  # a damaged ``latest``: nothing to offer
+            return
+        if newest is not None:
+            incremental.seed(self.writer, steps.path(self.root, newest), self._rank())
+
     def latest_step(self) -> int | None:
         """The step ``latest`` names on this rank's view of ``root``, or None."""
         try:
