@@ -343,3 +343,19 @@ def test_a_server_side_copy_holds_the_source_bytes(
     assert body == blob
     with pytest.raises(OSError):  # a source retention deleted: the caller uploads instead
         target.copy_within("__0_k1.distcp", "a/gone.distcp", len(blob))
+
+
+def test_an_incremental_writer_saving_straight_to_s3_writes_each_save_whole(s3: S3Env) -> None:
+    """No link exists there (tiered uploads copy server-side instead): written, as without it."""
+    model = _Model()
+    writer = DataStatesWriter(s3.url("direct"), incremental=True, storage_options=s3.options())
+    for name in ("a", "b"):
+        _save(writer, _state(model), s3.url("direct", name), "save")  # type: ignore[arg-type]
+        assert writer.last_stats is not None and writer.last_stats.bytes_written > BASE
+        assert writer.last_stats.linked_bytes == 0
+    writer.close()
+    expected = model.state_dict()
+    out = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}, "step": 0}
+    reader = DataStatesReader(s3.url("direct", "b"), storage_options=s3.options())
+    dcp.load(out, storage_reader=reader)
+    assert all(torch.equal(out["model"][k], v) for k, v in expected.items())
