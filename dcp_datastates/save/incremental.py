@@ -34,10 +34,11 @@ Anything else is written, as without the option. What the rule cannot see: a cha
 the record's CRC-32C (2^-32 for a random change; CRC-32C catches every burst of up to 32 bits),
 and, as for every lazy snapshot, a NumPy write after ``stage()`` returned: one before (4) read
 the tensor is written with it, as a lazy copy would take it (README, "Copy-on-write"); one
-after leaves the linked, stage-time record. Evidence lives in the writer's memory only: a new process (or
-writer) writes its first save in full, unless it is seeded with the last committed checkpoint
-(:func:`seed`; ``Checkpointer`` does it with its newest step), whose records it then reuses on
-the content proof alone.
+after leaves the linked, stage-time record. Evidence lives in the writer's memory only: a new
+process (or writer) writes its first save in full, unless it is seeded with the last committed
+checkpoint (:func:`seed`; ``Checkpointer`` does it with its newest step), whose records it then
+reuses on the content proof alone. A checkpoint on an object store is written in full (tiered
+uploads copy linked files server-side instead, ``checkpointers/mirror.py``).
 """
 
 from __future__ import annotations
