@@ -42,9 +42,8 @@ import signal
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from .._concurrency import signals as _signals
@@ -58,20 +57,13 @@ from ..save.writer import DataStatesWriter
 from ..storage.base import LocalStorage
 from . import resume, steps
 from .options import ABORT_EXIT_CODE, CheckpointerOptions
+from .preemption import Agreed, Preemption, agree
 from .steps import step_dir_name
 from .summary import summary_line
 
 __all__ = ["ABORT_EXIT_CODE", "Checkpointer", "step_dir_name"]
 
 logger = logging.getLogger(__name__)
-
-
-class _Agreed(NamedTuple):
-    """What the ranks agreed at one call (:meth:`Checkpointer._agree`)."""
-
-    preempted: bool  # some rank saw a preemption
-    failed: list[int]  # the ranks holding an earlier save's error
-    replacing: bool  # rank 0 found the step to save committed already
 
 
 class Checkpointer:
@@ -158,9 +150,10 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._committed_step: int | None = None
         self.last_summary: str | None = None
-        self._requested = threading.Event()
-        self._finished = threading.Event()  # the final checkpoint is committed (or not needed)
-        self._watchdog: threading.Thread | None = None
+        self._preemption = Preemption(
+            preemption_deadline_s, abort_exit_code, os.path.join(self.root, LATEST_NAME)
+        )
+        self._requested, self._finished = self._preemption.requested, self._preemption.finished
         self.preempted = False
         signals = tuple(preemption_signals)
         if signals and threading.current_thread() is not threading.main_thread():
@@ -379,31 +372,12 @@ class Checkpointer:
     # -- preemption ----------------------------------------------------------------------------
     def request_preemption(self) -> None:
         """What the signal does: save at the next :meth:`maybe_save`, then exit."""
-        if not self._requested.is_set():
-            self._requested.set()
-            self._watchdog = threading.Thread(
-                target=self._watch, name="dcp-datastates-preemption", daemon=True
-            )
-            self._watchdog.start()
+        self._preemption.request()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self._requested.is_set():
-            logger.error("second signal %d during the preemption save: exiting now", signum)
-            os._exit(self.abort_exit_code)
-        logger.warning("signal %d: checkpointing at the next step, then exiting", signum)
-        self.request_preemption()
+        self._preemption.on_signal(signum)
 
-    def _watch(self) -> None:
-        if not self._finished.wait(self.preemption_deadline_s):
-            logger.error(
-                "preemption save not committed within %.1fs: exiting; %s still names the "
-                "previous checkpoint",
-                self.preemption_deadline_s,
-                os.path.join(self.root, LATEST_NAME),
-            )
-            os._exit(self.abort_exit_code)
-
-    def _agree(self, *, vote_preemption: bool = True, replacing: bool = False) -> _Agreed:
+    def _agree(self, *, vote_preemption: bool = True, replacing: bool = False) -> Agreed:
         """One all-reduce on the vote group: whether any rank saw a preemption (acted on by
         all, at the same step), the ranks holding an earlier save's error (raised by all,
         :meth:`_raise_failed`), and whether the step to save is committed already (rank 0's
@@ -411,16 +385,10 @@ class Checkpointer:
         flag = vote_preemption and self._requested.is_set()
         with self._lock:
             failed = self._error is not None
-        if not self._dist():
-            return _Agreed(flag, [0] if failed else [], replacing)
-        group = self._vote_group
-        t = torch.zeros(2 + dist.get_world_size(group), dtype=torch.uint8)
-        t[0], t[1] = int(flag), int(replacing)
-        t[2 + dist.get_rank(group)] = int(failed)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        if t[0] and not flag:
+        agreed = agree(self._vote_group if self._dist() else None, flag, failed, replacing)
+        if agreed.preempted and not flag:
             self.request_preemption()
-        return _Agreed(bool(t[0]), [int(r) for r in t[2:].nonzero().flatten().tolist()], bool(t[1]))
+        return agreed
 
     def _final_save(self, step: int, app_state: dict[str, Any]) -> None:
         logger.warning("preemption: final checkpoint of step %d in %s", step, self.root)
