@@ -32,6 +32,7 @@ from crc32c import crc32c
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from tqdm import tqdm
 
+from . import cli_memory
 from .errors import ChecksumMismatchError, DataStatesError
 from .format import (
     DATA_SUFFIX,
@@ -373,6 +374,7 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--json", action="store_true", help="print JSON instead of text")
         else:
             cmd.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    cli_memory.add_parser(sub)
     return parser
 
 
@@ -441,6 +443,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "memory":
+        return cli_memory.run(args)
     handler = _inspect if args.command == "inspect" else _verify
     try:
         return _each_commit(handler, args)

@@ -56,6 +56,9 @@ from ..save.compat import STOCK_WRITER_ARGS
 from ..save.writer import DataStatesWriter
 from ..storage.base import LocalStorage
 from . import resume, steps
+from .memflush import Flusher
+from .memory import MemoryTier
+from .memtier import MemorySide
 from .options import ABORT_EXIT_CODE, CheckpointerOptions
 from .preemption import Agreed, Preemption, agree
 from .steps import step_dir_name
@@ -87,11 +90,18 @@ class Checkpointer:
             is True.
         writer: A :class:`DataStatesWriter` to reuse (default: one made here, closed by
             :meth:`close`); ``writer_options`` go to the one made here.
+        memory: A :class:`~dcp_datastates.checkpointers.memory.MemoryTier`: each save is
+            committed in host memory that outlives the process first, then flushed to
+            ``root`` in the background (``memtier.py``); a restart loads the newest step
+            committed in either, memory first. ``latest`` names the newest durable step.
 
     The options of its own are checked as :class:`CheckpointerOptions` (a bad one raises
     ``ValueError`` naming it). :attr:`last_summary` is one line about the newest committed
     save on this rank, also logged at INFO.
     """
+
+    #: The memory tier's flush to ``root`` (a test's subclass blocks it).
+    flusher_class: type[Flusher] = Flusher
 
     def __init__(
         self,
@@ -106,6 +116,7 @@ class Checkpointer:
         preemption_exit_code: int = 0,
         abort_exit_code: int = ABORT_EXIT_CODE,
         writer: DataStatesWriter | None = None,
+        memory: MemoryTier | None = None,
         **writer_options: Any,
     ) -> None:
         self.options = CheckpointerOptions(
@@ -150,6 +161,8 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._committed_step: int | None = None
         self.last_summary: str | None = None
+        #: Bytes this node's memory tier held after the newest save (None without one).
+        self.memory_bytes: int | None = None
         self._preemption = Preemption(
             preemption_deadline_s, abort_exit_code, os.path.join(self.root, LATEST_NAME)
         )
@@ -164,8 +177,18 @@ class Checkpointer:
             )
             signals = ()
         self._signals = signals
+        self._memory: MemorySide | None = None
+        if memory is not None:
+            self._memory = self._memory_side(memory)
         for signum in signals:
             _signals.subscribe(signum, self)  # with any other checkpointer listening
+
+    def _memory_side(self, tier: MemoryTier) -> MemorySide | None:
+        world = dist.get_world_size(self._vote_group) if self._vote_group is not None else 1
+        group = dist.new_group(backend="gloo") if self._dist() else None
+        callbacks = (self._on_durable, self._store_error, self.flusher_class)
+        side = MemorySide(tier, self.root, self._rank(), world, group, *callbacks)
+        return side if side.agree_usable(self._ranks()) else None
 
     # -- ranks ---------------------------------------------------------------------------------
     def _dist(self) -> bool:
@@ -224,7 +247,9 @@ class Checkpointer:
         names) is saved beside it and swapped in once committed (``steps.py``)."""
         self._wait_in_flight()
         replacing = False
-        if self._rank() == 0 and step != self._committed_step:
+        if self._memory is not None:
+            self._memory.before_save()  # bounds what memory holds; may wait for a flush
+        elif self._rank() == 0 and step != self._committed_step:
             steps.settle(self.root)  # what a crash left of a replacement; none is in flight
             replacing = steps.is_committed(steps.path(self.root, step))
         agreed = self._agree(vote_preemption=False, replacing=replacing)
@@ -232,6 +257,8 @@ class Checkpointer:
         if step == self._committed_step:
             return False  # already committed from this state: nothing to save
         path = steps.path(self.root, step) + (steps.REPLACING if agreed.replacing else "")
+        if self._memory is not None:
+            path = self._memory.step_path(step)  # the flush to root replaces a committed one
         response = async_save(app_state, self.writer, checkpoint_id=path, **self._save_kwargs())
         done = threading.Event()
         with self._lock:
@@ -245,7 +272,9 @@ class Checkpointer:
         """Runs on DCP's save thread once the save is committed (or failed) on this rank."""
         exc = fut.exception()
         committed = exc is None
-        if exc is None:
+        if exc is None and self._memory is not None:
+            self._memory.flush(step)  # committed in memory: `latest` moves once it is durable
+        elif exc is None:
             try:
                 if self._rank() == 0:
                     committed = False
@@ -275,12 +304,26 @@ class Checkpointer:
         if stats is None or os.path.normpath(stats.checkpoint_id) != os.path.normpath(path):
             return  # a writer shared with other saves has moved on
         self.last_summary = summary_line(step, stats)
+        if self._memory is not None:
+            self.memory_bytes = self._memory.bytes_held()
+            self.last_summary += f", {self.memory_bytes / 1e6:.1f} MB held in memory on this node"
         logger.info("%s", self.last_summary)
+
+    def _on_durable(self, step: int) -> None:
+        """Rank 0, on the flush thread: ``step`` is committed in ``root`` (from memory)."""
+        LocalStorage(self.root).put_atomic(LATEST_NAME, f"{step}\n".encode(), sync=True)
+        self._purge(step)
+
+    def _store_error(self, exc: BaseException) -> None:
+        with self._lock:
+            self._error = self._error or exc
 
     def wait(self) -> None:
         """Wait for the save in flight (committed and ``latest`` moved); raise this rank's error
         of an earlier save once."""
         self._wait_in_flight()
+        if self._memory is not None:
+            self._memory.flusher.wait()  # and durable in root
         self._raise_pending_error()
 
     def _wait_in_flight(self) -> None:
@@ -342,6 +385,8 @@ class Checkpointer:
         the same step (rank 0 picks the order; they agree on each try). If none loads, raises
         :class:`~dcp_datastates.CheckpointLoadError` listing each step tried and why."""
         self._wait_in_flight()  # DCP's collectives of a save and a load must not interleave
+        if self._memory is not None:
+            self._memory.flusher.wait()
         order: list[int] = []
         if self._rank() == 0:
             try:
@@ -351,7 +396,14 @@ class Checkpointer:
                 latest = None
             older = [s for s in self.committed_steps() if latest is None or s < latest]
             order = ([] if latest is None else [latest]) + older[::-1]
-        step = resume.load_newest(self.root, order, app_state, reader_options, self._ranks())
+        if self._memory is not None:
+            order = self._ranks().from_rank_0(order)
+            places = self._memory.candidates(order, self._ranks())
+            found = resume.load_first(places, app_state, reader_options, self._ranks())
+            self._memory.after_load(found)
+            step = None if found is None else found.step
+        else:
+            step = resume.load_newest(self.root, order, app_state, reader_options, self._ranks())
         if step is not None:
             self._committed_step = step
         return step
@@ -418,6 +470,8 @@ class Checkpointer:
                 with contextlib.suppress(ValueError):  # not the main thread
                     _signals.unsubscribe(signum, self)
             self._signals = ()
+            if self._memory is not None:
+                self._memory.close(remove=True)  # every step in it is durable now
             if self._owns_writer:
                 self.writer.close()
 
