@@ -176,6 +176,7 @@ def load_first(
     failures: dict[int, str] = {}
     last_error: BaseException | None = None
     where = candidates[0].root if candidates else ""
+    several_tiers = len({c.tier for c in candidates}) > 1
     for i, c in enumerate(candidates):
         reason, error = try_step(c.root, c.step, app_state, reader_options, ranks, c.problem)
         if reason is None:
@@ -189,7 +190,8 @@ def load_first(
                     list(failures),
                 )
             return c
-        failures[c.step] = "; ".join(filter(None, [failures.get(c.step), f"{c.tier}: {reason}"]))
+        said = f"{c.tier}: {reason}" if several_tiers else reason
+        failures[c.step] = "; ".join(filter(None, [failures.get(c.step), said]))
         last_error = error or last_error
         then = (
             f"trying step {candidates[i + 1].step} in {candidates[i + 1].root} "
