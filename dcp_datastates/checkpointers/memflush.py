@@ -177,10 +177,10 @@ class Flusher:
         source = self.segment.step_path(step)
         meta = load_metadata(io.BytesIO(metadata), os.path.join(source, METADATA_NAME))
         prefix = f"__{self.rank}_"
-        names = sorted(
-            {i.relative_path for i in meta.storage_data.values()}
-            & {n for n in os.listdir(source) if n.startswith(prefix)}
-        )
+        # Every file the commit names as this rank's: one missing (a node's memory lost)
+        # fails the flush rather than committing a torn checkpoint.
+        names = sorted({i.relative_path for i in meta.storage_data.values()})
+        names = [n for n in names if n.startswith(prefix)]
         storage = self.storage(target)
         storage.makedirs()
         sizes = {}
