@@ -260,3 +260,26 @@ def test_cli_lists_and_cleans_segments_of_dead_jobs(
     assert listed["job"] == "j1" and listed["live_pids"] == []
     assert main(["memory", "clean", "--base", tier.base]) == 0
     assert not memory.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_restart_bench_times_memory_disk_and_s3_for_one_state(tmp_path: Path) -> None:
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    bench = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+    cmd = [sys.executable, str(bench), "restart", "--quick", "--out", str(tmp_path / "out")]
+    cmd += ["--dir", str(tmp_path / "d")]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    records = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    systems = {r["system"].split(" (cache")[0] for r in records if r["scenario"] == "restart"}
+    assert systems == {
+        "memory tier (/dev/shm)",
+        "local disk, cold",
+        "local disk, warm",
+        "s3 (moto)",
+    }
+    assert all(r["figures"]["resume_s"] > 0 for r in records if r["scenario"] == "restart")
+    assert "### Restart" in (tmp_path / "out" / "summary.md").read_text()
+    assert not any(Path("/dev/shm").glob("dcp_datastates-*-bench-*"))  # its segment is gone

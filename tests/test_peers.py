@@ -13,8 +13,8 @@ import pytest
 from _dist_workers import check_all_ok, launch
 from _peer_workers import STEP, data_name, file_bytes, node_root, rank_files
 
-from dcp_datastates.checkpointers.peer_wire import MARKER_NAME, ReplicaInvalid, read_marker
 from dcp_datastates.checkpointers.peer_ring import PeerRing
+from dcp_datastates.checkpointers.peer_wire import MARKER_NAME, ReplicaInvalid, read_marker
 
 WORKERS = str(Path(__file__).with_name("_peer_workers.py"))
 WORLD = 4
