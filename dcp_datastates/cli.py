@@ -2,6 +2,7 @@
 
     dcp-datastates inspect PATH [--json]   items, files per rank, format version, commit state
     dcp-datastates verify PATH             check every record's crc32c against the manifest
+    dcp-datastates memory list|clean       this user's memory-tier segments (``cli_memory``)
 
 A checkpoint saved with ``use_collectives=False`` has one commit record per rank
 (``__{rank}.metadata``): both commands go through each (``--rank R`` picks one). Both name

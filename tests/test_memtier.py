@@ -206,6 +206,20 @@ def test_a_segment_of_another_job_user_or_mode_is_never_read(
     assert not memory.exists()
 
 
+def test_close_keeps_the_segment_when_a_step_is_in_memory_only(tmp_path: Path) -> None:
+    tier = MemoryTier(base=str(tmp_path / "shm"), job_id="j1")
+    _FailingFlusher.failing = step_dir_name(2)
+    app = _app()
+    ck = _FailingCheckpointer(tmp_path / "ckpt", every_steps=1, preemption_signals=(), memory=tier)
+    for step in (1, 2):
+        train_step(app, step, 1)
+        ck.maybe_save(step, {"app": app})
+    with pytest.raises(FlushError, match="injected"):
+        ck.close()
+    (node,) = Path(segment_path(tier.base, "j1")).glob("node_*")
+    assert (node / step_dir_name(2) / ".metadata").exists()  # a restart still finds it
+
+
 def test_a_restart_with_another_world_size_resumes_from_disk_saying_why(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

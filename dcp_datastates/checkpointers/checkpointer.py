@@ -179,16 +179,10 @@ class Checkpointer:
         self._signals = signals
         self._memory: MemorySide | None = None
         if memory is not None:
-            self._memory = self._memory_side(memory)
+            hooks = (self._on_durable, self._store_error, self.flusher_class)
+            self._memory = MemorySide.open(memory, self.root, self._ranks(), *hooks)
         for signum in signals:
             _signals.subscribe(signum, self)  # with any other checkpointer listening
-
-    def _memory_side(self, tier: MemoryTier) -> MemorySide | None:
-        world = dist.get_world_size(self._vote_group) if self._vote_group is not None else 1
-        group = dist.new_group(backend="gloo") if self._dist() else None
-        callbacks = (self._on_durable, self._store_error, self.flusher_class)
-        side = MemorySide(tier, self.root, self._rank(), world, group, *callbacks)
-        return side if side.agree_usable(self._ranks()) else None
 
     # -- ranks ---------------------------------------------------------------------------------
     def _dist(self) -> bool:
@@ -370,11 +364,7 @@ class Checkpointer:
     # -- loading -------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
         """The step ``latest`` names on this rank's view of ``root``, or None."""
-        try:
-            with open(os.path.join(self.root, LATEST_NAME)) as f:
-                return int(f.read().strip())
-        except FileNotFoundError:
-            return None
+        return steps.read_latest(self.root)
 
     def load_latest(self, app_state: dict[str, Any], **reader_options: Any) -> int | None:
         """Load the newest checkpoint that loads into ``app_state``; returns its step, or None
@@ -387,21 +377,9 @@ class Checkpointer:
         self._wait_in_flight()  # DCP's collectives of a save and a load must not interleave
         if self._memory is not None:
             self._memory.flusher.wait()
-        order: list[int] = []
-        if self._rank() == 0:
-            try:
-                latest = self.latest_step()
-            except (OSError, ValueError) as exc:
-                logger.warning("rank 0: %s is unreadable (%s): ignoring it", LATEST_NAME, exc)
-                latest = None
-            older = [s for s in self.committed_steps() if latest is None or s < latest]
-            order = ([] if latest is None else [latest]) + older[::-1]
+        order = steps.resume_order(self.root) if self._rank() == 0 else []
         if self._memory is not None:
-            order = self._ranks().from_rank_0(order)
-            places = self._memory.candidates(order, self._ranks())
-            found = resume.load_first(places, app_state, reader_options, self._ranks())
-            self._memory.after_load(found)
-            step = None if found is None else found.step
+            step = self._memory.load_newest(order, app_state, reader_options, self._ranks())
         else:
             step = resume.load_newest(self.root, order, app_state, reader_options, self._ranks())
         if step is not None:
@@ -462,16 +440,19 @@ class Checkpointer:
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the save in flight, restore signal handlers, close an owned writer."""
+        """Wait for the save in flight, restore signal handlers, close an owned writer; remove
+        the memory tier's segment once every step in it is durable."""
+        durable = False
         try:
             self.wait()
+            durable = True
         finally:
             for signum in self._signals:
                 with contextlib.suppress(ValueError):  # not the main thread
                     _signals.unsubscribe(signum, self)
             self._signals = ()
             if self._memory is not None:
-                self._memory.close(remove=True)  # every step in it is durable now
+                self._memory.close(remove=durable)  # else a restart still finds it
             if self._owns_writer:
                 self.writer.close()
 

@@ -57,6 +57,38 @@ class MemorySide:
         self.segment = Segment(tier, root, rank, world)
         self.flusher = flusher_class(self.segment, root, rank, group, on_durable, on_error)
 
+    @classmethod
+    def open(
+        cls,
+        tier: MemoryTier,
+        root: str,
+        ranks: resume.Ranks,
+        on_durable: Callable[[int], None],
+        on_error: Callable[[BaseException], None],
+        flusher_class: type[Flusher] = Flusher,
+    ) -> MemorySide | None:
+        """The memory tier of a checkpointer on ``ranks`` (collective: its flusher's group),
+        or None when some rank cannot use its segment (said why)."""
+        group = ranks.vote_group
+        world = dist.get_world_size(group) if group is not None else 1
+        flush_group = dist.new_group(backend="gloo") if group is not None else None
+        side = cls(tier, root, ranks.rank, world, flush_group, on_durable, on_error, flusher_class)
+        return side if side.agree_usable(ranks) else None
+
+    def load_newest(
+        self,
+        order: list[int],
+        app_state: dict[str, Any],
+        reader_options: dict[str, Any],
+        ranks: resume.Ranks,
+    ) -> int | None:
+        """``Checkpointer.load_latest`` with the memory tier: rank 0's durable ``order``, the
+        memory steps, tried newest first (see the module docstring)."""
+        places = self.candidates(ranks.from_rank_0(order), ranks)
+        found = resume.load_first(places, app_state, reader_options, ranks)
+        self.after_load(found)
+        return None if found is None else found.step
+
     def agree_usable(self, ranks: resume.Ranks) -> bool:
         """Whether every rank can use its segment (one all-reduce); logs why not."""
         if not ranks.failing(not self.segment.usable):
