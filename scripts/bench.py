@@ -32,6 +32,7 @@ from bench_lib import (
     objstore,
     ranks,
     report,
+    restart,
     save,
     scaling,
     systems,
@@ -42,7 +43,7 @@ from bench_lib.common import GB, Recorder, log
 
 SCENARIOS = ["limits", "save", "load", "train", "forward", "cow", "scaling", "ranks"]
 #: Run only when named (not in "all"): they need the s3 extra and moto.
-EXTRA_SCENARIOS = ["objstore"]
+EXTRA_SCENARIOS = ["objstore", "restart"]
 
 #: Defaults of the full run and of --quick; an option given on the command line wins over both.
 FULL: dict[str, Any] = {
@@ -79,6 +80,7 @@ FULL: dict[str, Any] = {
     "scale_repeat_s": 4.0,
     "ranks_gb": 1.0,
     "s3_gb": 0.5,
+    "restart_gb": 2.0,
     "ranks_worlds": "2,4",
 }
 QUICK: dict[str, Any] = {
@@ -115,6 +117,7 @@ QUICK: dict[str, Any] = {
     "scale_repeat_s": 60.0,
     "ranks_gb": 0.01,
     "s3_gb": 0.02,
+    "restart_gb": 0.02,
     "ranks_worlds": "2",
 }
 
@@ -192,6 +195,7 @@ def _parser() -> argparse.ArgumentParser:
         "this many seconds (it always saves once)",
     )
     g.add_argument("--s3-gb", type=float, help="state size of the objstore scenario, GB")
+    g.add_argument("--restart-gb", type=float, help="state size of the restart scenario, GB")
     g.add_argument("--ranks-gb", type=float, help="state size of the ranks save, all ranks")
     g.add_argument("--ranks-worlds", help="comma-separated rank counts of the ranks scenario")
     return p
@@ -221,6 +225,7 @@ def _scratch_bytes(args: argparse.Namespace, wanted: list[str]) -> int:
         "scaling": max(float(x) for x in args.scale_sizes.split(",")),
         "ranks": args.ranks_gb,
         "objstore": args.s3_gb,
+        "restart": args.restart_gb,
     }
     return int(2 * max((sizes.get(s, 0.0) for s in wanted), default=0.0) * GB)
 
@@ -341,6 +346,15 @@ def _run(args: argparse.Namespace) -> int:
                     tensors=args.tensors,
                     rounds=args.rounds,
                 )
+            elif scenario == "restart":
+                restart.run(
+                    rec,
+                    workdir=args.dir,
+                    nbytes=int(args.restart_gb * GB),
+                    tensors=args.tensors,
+                    rounds=args.rounds,
+                    cold=args.drop_caches == "yes",
+                )
             elapsed[scenario] = time.monotonic() - t0
             log(f"{scenario}: {elapsed[scenario]:.1f} s")
     finally:
@@ -351,7 +365,7 @@ def _run(args: argparse.Namespace) -> int:
         png = timeline.plot(runs, args.png or args.out / "timeline.png")
         rec.note(f"timeline picture: {png}")
     text = report.summary(rec)
-    text += objstore.table(rec)
+    text += objstore.table(rec) + restart.table(rec)
     text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
     text += f"; total {time.monotonic() - started:.0f} s.\n"
     (args.out / "summary.md").write_text(text)

@@ -1,0 +1,452 @@
+"""The wire under :mod:`.peers`: one set of files streamed from a rank to another over gloo, and
+the replica directories it lands in.
+
+A transfer is four exchanges on the replicator's own process group, each posted as non-blocking
+sends and receives so that a ring (every rank sending to one rank and receiving from another, or
+the same one) never waits on itself:
+
+1. header   JSON: the files' names and sizes (and what else the caller adds), or why there are
+            none (a file the sender could not stat);
+2. chunks   the files' bytes as one stream cut into chunks of at most ``chunk_bytes``; one send
+            and one receive buffer per rank, so a transfer holds ``2 * chunk_bytes`` whatever the
+            state's size;
+3. trailer  JSON: the CRC-32C of each file as read by the sender, or why reading failed (the
+            sender then sends zeros for what it could not read, so both sides stay in step);
+4. ack      JSON, the other way: whether the receiver wrote and verified everything.
+
+A failure on either side's disk therefore reaches both sides as a reason and leaves the group
+usable; only the transport failing (a peer died, a timeout) raises, and then the group's pairing
+is lost for good.
+
+May import: the leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from crc32c import crc32c
+
+#: The completion marker in a replica directory: the step, the source rank, and each file's size
+#: and CRC-32C. Written last, inside the directory before it is renamed into place.
+MARKER_NAME = ".replica.json"
+#: Replicas kept by a rank live under ``dest_root/PEER_DIR/rank_<src>/step_<N>``.
+PEER_DIR = "peer"
+_PARTIAL = ".partial"
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
+
+
+def replica_dir(dest_root: Path, source: int, step: int) -> Path:
+    return Path(dest_root) / PEER_DIR / f"rank_{source}" / f"step_{step}"
+
+
+def check_names(names: Sequence[str]) -> None:
+    """Refuse a file name that would leave the directory it is written into."""
+    for name in names:
+        if (
+            not isinstance(name, str)
+            or not name
+            or name in (".", "..", MARKER_NAME)
+            or "/" in name
+            or os.sep in name
+            or "\0" in name
+        ):
+            raise ValueError(
+                f"file name {name!r} cannot be replicated: give plain names inside the "
+                f"checkpoint directory (no '/', not '..' or {MARKER_NAME!r})"
+            )
+
+
+def make_private_dirs(path: Path) -> None:
+    """``path`` and its missing parents, owner-only."""
+    path = Path(path)
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for p in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            p.mkdir(mode=_DIR_MODE)
+        os.chmod(p, _DIR_MODE)
+
+
+class ReplicaInvalid(Exception):
+    """A replica is missing, incomplete or does not match its marker."""
+
+
+def read_marker(path: Path, *, step: int, source: int, world_size: int) -> dict[str, Any]:
+    """The marker of the replica in ``path``, checked against what the caller expects and
+    against the files (sizes and CRC-32C). Raises :class:`ReplicaInvalid` saying what is wrong."""
+    marker_path = Path(path) / MARKER_NAME
+    try:
+        marker = json.loads(marker_path.read_text())
+    except FileNotFoundError:
+        raise ReplicaInvalid(f"no replica at {path} (no {MARKER_NAME})") from None
+    except (OSError, ValueError) as e:
+        raise ReplicaInvalid(f"unreadable marker {marker_path}: {e}") from None
+    want = {"step": step, "source_rank": source, "world_size": world_size}
+    got = {k: marker.get(k) for k in want}
+    if got != want:
+        raise ReplicaInvalid(f"marker {marker_path} is for {got}, not {want}")
+    for name, info in marker["files"].items():
+        file = Path(path) / name
+        try:
+            size = file.stat().st_size
+        except OSError as e:
+            raise ReplicaInvalid(f"{file} is missing: {e}") from None
+        if size != info["size"]:
+            raise ReplicaInvalid(f"{file} holds {size} bytes, its marker says {info['size']}")
+        crc = file_crc(file)
+        if crc != info["crc32c"]:
+            raise ReplicaInvalid(
+                f"{file} fails its checksum (crc32c {crc:#010x}, marker {info['crc32c']:#010x})"
+            )
+    return marker
+
+
+def file_crc(path: Path, piece: int = 8 << 20) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(piece):
+            crc = crc32c(chunk, crc)
+    return crc
+
+
+# -- the stream's two ends --------------------------------------------------------------------
+@dataclass
+class Source:
+    """The sender's files read in order as one stream, CRC-32C per file as read."""
+
+    paths: list[Path]
+    names: list[str]
+    sizes: list[int] = field(default_factory=list)
+    crcs: list[int] = field(default_factory=list)
+    error: str | None = None
+    current: str | None = None
+    _index: int = 0
+    _offset: int = 0
+    _file: Any = None
+
+    def __post_init__(self) -> None:
+        try:
+            self.sizes = [p.stat().st_size for p in self.paths]
+        except OSError as e:
+            self.sizes, self.error = [], f"cannot stat {e.filename}: {e.strerror}"
+        self.crcs = [0] * len(self.sizes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    def read_into(self, out: memoryview) -> None:
+        """Fill ``out`` with the stream's next bytes (zeros past a failed read)."""
+        done = 0
+        while done < len(out):
+            i = self._index
+            self.current = self.names[i]
+            want = min(len(out) - done, self.sizes[i] - self._offset)
+            part = out[done : done + want]
+            got = 0
+            if self.error is None:
+                try:
+                    if self._file is None:
+                        self._file = open(self.paths[i], "rb")  # noqa: SIM115 - closed below
+                    got = self._file.readinto(part)
+                    if got < want:
+                        self.error = f"{self.paths[i]} shrank while it was sent"
+                except OSError as e:
+                    self.error = f"reading {self.paths[i]} failed: {e}"
+            part[got:] = bytes(want - got)
+            self.crcs[i] = crc32c(part, self.crcs[i])
+            done += want
+            self._offset += want
+            if self._offset == self.sizes[i]:
+                self.close()
+                self._index, self._offset = i + 1, 0
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class Sink:
+    """The receiver's end: bytes written in order to temporary files in ``directory``, checked
+    against the sender's CRCs (and ``expected`` ones, if given), renamed into place by
+    :meth:`commit` only when every file is whole."""
+
+    def __init__(
+        self,
+        directory: Path,
+        names: Sequence[str],
+        sizes: Sequence[int],
+        *,
+        temp_suffix: str,
+        expected: Sequence[int] | None = None,
+    ) -> None:
+        self.directory, self.names, self.sizes = Path(directory), list(names), list(sizes)
+        self.expected = list(expected) if expected is not None else None
+        self.crcs = [0] * len(self.names)
+        self.error: str | None = None
+        self.current: str | None = None
+        self._suffix = temp_suffix
+        self._index = self._offset = 0
+        self._fd: int | None = None
+        try:
+            check_names(self.names)
+            make_private_dirs(self.directory)
+        except (OSError, ValueError) as e:
+            self.error = str(e)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    def _temp(self, i: int) -> Path:
+        return self.directory / f".{self.names[i]}{self._suffix}"
+
+    def write(self, data: memoryview) -> None:
+        done = 0
+        while done < len(data):
+            i = self._index
+            self.current = self.names[i]
+            take = min(len(data) - done, self.sizes[i] - self._offset)
+            part = data[done : done + take]
+            self.crcs[i] = crc32c(part, self.crcs[i])
+            if self.error is None:
+                try:
+                    if self._fd is None:
+                        self._temp(i).unlink(missing_ok=True)
+                        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+                        self._fd = os.open(self._temp(i), flags, _FILE_MODE)
+                    while part:
+                        part = part[os.write(self._fd, part) :]
+                except OSError as e:
+                    self.error = f"writing {self._temp(i)} failed: {e}"
+            done += take
+            self._offset += take
+            if self._offset == self.sizes[i]:
+                self._close_file()
+                self._index, self._offset = i + 1, 0
+
+    def _close_file(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def finish(self, trailer: dict[str, Any]) -> str | None:
+        """Check the stream against the sender's trailer; ``None`` if it is whole, else why not
+        (temporary files removed)."""
+        self._close_file()
+        if self.error is None and trailer.get("error"):
+            self.error = f"the sender failed: {trailer['error']}"
+        if self.error is None:
+            for i, name in enumerate(self.names):
+                want = self.expected[i] if self.expected is not None else trailer["crcs"][i]
+                if self.crcs[i] != trailer["crcs"][i] or self.crcs[i] != want:
+                    self.error = (
+                        f"{name} arrived with crc32c {self.crcs[i]:#010x}, not {want:#010x}"
+                    )
+                    break
+                if self.sizes[i] == 0 and self.error is None:  # no chunk ever opened it
+                    try:
+                        self._temp(i).touch(mode=_FILE_MODE, exist_ok=True)
+                    except OSError as e:
+                        self.error = f"writing {self._temp(i)} failed: {e}"
+        if self.error is not None:
+            self.discard()
+        return self.error
+
+    def commit(self) -> list[str]:
+        """Rename the verified temporary files to their names; returns the names."""
+        for i, name in enumerate(self.names):
+            os.replace(self._temp(i), self.directory / name)
+        return list(self.names)
+
+    def discard(self) -> None:
+        self._close_file()
+        for i in range(len(self.names)):
+            self._temp(i).unlink(missing_ok=True)
+
+    def marker(self, **about: Any) -> dict[str, Any]:
+        files = {
+            n: {"size": s, "crc32c": c}
+            for n, s, c in zip(self.names, self.sizes, self.crcs, strict=True)
+        }
+        return {**about, "files": files}
+
+
+# -- the transport ------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    """What one rank's transfer gave: the reasons it failed each way (``None``: it did not)."""
+
+    sent_error: str | None = None
+    received_error: str | None = None
+    received: list[str] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    header: dict[str, Any] = field(default_factory=dict)
+
+
+class Link:
+    """Point-to-point messages on one gloo group (group ranks), every wait bounded by
+    ``timeout``. ``where`` names the file in flight when the transport fails."""
+
+    def __init__(self, group: Any, timeout: timedelta, chunk_bytes: int) -> None:
+        self.group, self.timeout, self.chunk_bytes = group, timeout, chunk_bytes
+        self.where: str | None = None
+        self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _wait(self, works: list[Any]) -> None:
+        for w in works:
+            w.wait(self.timeout)
+
+    def _send(self, t: torch.Tensor, to: int) -> Any:
+        return dist.isend(t, group=self.group, group_dst=to)
+
+    def _recv(self, t: torch.Tensor, frm: int) -> Any:
+        return dist.irecv(t, group=self.group, group_src=frm)
+
+    def message(self, out: dict | None, to: int | None, frm: int | None) -> dict | None:
+        """Send ``out`` (JSON) to ``to`` and receive one from ``frm``; either may be ``None``."""
+        blob = json.dumps(out).encode() if to is not None else b""
+        n_out, n_in = (
+            torch.tensor([len(blob)], dtype=torch.int64),
+            torch.zeros(1, dtype=torch.int64),
+        )
+        works = [self._send(n_out, to)] if to is not None else []
+        works += [self._recv(n_in, frm)] if frm is not None else []
+        self._wait(works)
+        inbox = torch.empty(int(n_in.item()), dtype=torch.uint8)
+        works = (
+            [self._send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), to)] if blob else []
+        )
+        works += [self._recv(inbox, frm)] if frm is not None and inbox.numel() else []
+        self._wait(works)
+        return json.loads(inbox.numpy().tobytes()) if frm is not None else None
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._bufs is None:
+            n = self.chunk_bytes
+            self._bufs = (torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8))
+        return self._bufs
+
+    def release(self) -> None:
+        """Drop the chunk buffers (they are kept between transfers while the replicator lives)."""
+        self._bufs = None
+
+    def stream(self, source: Source | None, to: int | None, sink: Sink | None, frm: int | None):
+        out_buf, in_buf = self._buffers()
+        out_view, in_view = memoryview(out_buf.numpy()), memoryview(in_buf.numpy())
+        sent, got = 0, 0
+        send_total = source.total if source is not None else 0
+        recv_total = sink.total if sink is not None else 0
+        while sent < send_total or got < recv_total:
+            works, n, m = [], min(self.chunk_bytes, send_total - sent), 0
+            if n:
+                source.read_into(out_view[:n])
+                self.where = f"sending {source.current}"
+                works.append(self._send(out_buf[:n], to))
+            if got < recv_total:
+                m = min(self.chunk_bytes, recv_total - got)
+                works.append(self._recv(in_buf[:m], frm))
+            self._wait(works)
+            if m:
+                sink.write(in_view[:m])
+                self.where = f"receiving {sink.current}"
+            sent, got = sent + n, got + m
+        if source is not None:
+            source.close()
+        return sent, got
+
+    def transfer(
+        self,
+        source: Source | None,
+        to: int | None,
+        frm: int | None,
+        make_sink: Callable[[dict[str, Any]], Sink] | None,
+        header: dict[str, Any] | None = None,
+        *,
+        settle: Callable[[Sink], object] | None = None,
+    ) -> tuple[Outcome, Sink | None]:
+        """Stream ``source`` to ``to`` while receiving from ``frm`` into the sink ``make_sink``
+        builds from the header received. Once the sink is verified whole, ``settle`` puts it in
+        place (an ``OSError`` there counts as a failed receive) before the ack tells the sender."""
+        outcome = Outcome()
+        out_header = None
+        if source is not None:
+            out_header = {
+                **(header or {}),
+                "names": source.names if source.error is None else [],
+                "sizes": source.sizes,
+                "error": source.error,
+            }
+        self.where = "exchanging headers"
+        in_header = self.message(out_header, to, frm)
+        sink = None
+        if in_header is not None:
+            outcome.header = in_header
+            sink = make_sink(in_header)
+            if in_header.get("error") and sink.error is None:
+                sink.error = f"the sender failed: {in_header['error']}"
+        outcome.bytes_sent, outcome.bytes_received = self.stream(source, to, sink, frm)
+        self.where = "exchanging trailers"
+        trailer = None
+        if source is not None:
+            trailer = {"crcs": source.crcs, "error": source.error}
+        in_trailer = self.message(trailer, to, frm)
+        if sink is not None:
+            outcome.received_error = sink.finish(in_trailer)
+            if outcome.received_error is None and settle is not None:
+                try:
+                    settle(sink)
+                except OSError as e:
+                    outcome.received_error = f"putting the files in place failed: {e}"
+                    sink.discard()
+        self.where = "exchanging acks"
+        ack = {"error": outcome.received_error} if sink is not None else None
+        back = self.message(ack, frm, to)
+        if back is not None:
+            outcome.sent_error = back["error"]
+        self.where = None
+        return outcome, sink
+
+
+def swap_in(partial: Path, final: Path) -> None:
+    """Make the complete directory ``partial`` visible as ``final`` (an older ``final`` goes)."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+
+
+def partial_dir(final: Path) -> Path:
+    return final.with_name(f".{final.name}{_PARTIAL}")
+
+
+__all__ = [
+    "MARKER_NAME",
+    "PEER_DIR",
+    "Link",
+    "Outcome",
+    "ReplicaInvalid",
+    "Sink",
+    "Source",
+    "check_names",
+    "make_private_dirs",
+    "partial_dir",
+    "read_marker",
+    "replica_dir",
+    "swap_in",
+]
