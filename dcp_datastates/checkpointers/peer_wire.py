@@ -52,7 +52,9 @@ def replica_dir(dest_root: Path, source: int, step: int) -> Path:
 
 
 def check_names(names: Sequence[str]) -> None:
-    """Refuse a file name that would leave the directory it is written into."""
+    """Refuse a file name that would leave the directory it is written into, or comes twice."""
+    if len(set(names)) != len(names):
+        raise ValueError(f"file names {list(names)} name a file more than once")
     for name in names:
         if (
             not isinstance(name, str)
@@ -96,8 +98,8 @@ def read_marker(path: Path, *, step: int, source: int, world_size: int) -> dict[
     except (OSError, ValueError) as e:
         raise ReplicaInvalid(f"unreadable marker {marker_path}: {e}") from None
     want = {"step": step, "source_rank": source, "world_size": world_size}
-    got = {k: marker.get(k) for k in want}
-    if got != want:
+    got = {k: marker.get(k) for k in want} if isinstance(marker, dict) else marker
+    if got != want or not isinstance(marker.get("files"), dict):
         raise ReplicaInvalid(f"marker {marker_path} is for {got}, not {want}")
     for name, info in marker["files"].items():
         file = Path(path) / name
