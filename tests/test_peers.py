@@ -13,8 +13,8 @@ import pytest
 from _dist_workers import check_all_ok, launch
 from _peer_workers import STEP, data_name, file_bytes, node_root, rank_files
 
-from dcp_datastates.checkpointers.peer_wire import MARKER_NAME, ReplicaInvalid, read_marker
 from dcp_datastates.checkpointers.peer_ring import PeerRing
+from dcp_datastates.checkpointers.peer_wire import MARKER_NAME, ReplicaInvalid, read_marker
 
 WORKERS = str(Path(__file__).with_name("_peer_workers.py"))
 WORLD = 4
@@ -57,11 +57,25 @@ def test_each_rank_keeps_its_source_ranks_files_byte_exact_on_the_other_node(
         marker = read_marker(replica, step=STEP, source=source, world_size=WORLD)
         assert set(marker["files"]) == set(rank_files(source))
         assert report["bytes_sent"] == sum(len(file_bytes(n, rank)) for n in rank_files(rank))
-        # no leftover partial directory or temporary file next to the replica
-        assert sorted(p.name for p in replica.parent.iterdir()) == [f"step_{STEP}"]
+        # the older steps pruned (rank 2 never got rank 0's step STEP - 1), and no partial
+        # directory left by the failed one
+        older = [STEP - 2] if rank == 2 else [STEP - 2, STEP - 1]
+        assert report["pruned"] == [f"step_{s}" for s in older]
+        assert report["kept_after_prune"] == [f"step_{STEP}"]
         assert sorted(p.name for p in replica.iterdir()) == sorted(
             [*rank_files(source), MARKER_NAME]
         )
+
+
+def test_an_unreadable_file_fails_its_step_on_both_ends_and_the_next_step_replicates(
+    replicated: Path,
+) -> None:
+    reports = [json.loads((replicated / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    sender, receiver = reports[0]["failure"], reports[2]["failure"]
+    assert "rank 0" in sender and "missing.distcp" in sender and f"step {STEP - 1}" in sender
+    assert "from rank 0" in receiver and "missing.distcp" in receiver, receiver
+    assert reports[1]["failure"] is None and reports[3]["failure"] is None
+    # step STEP (after the failure) replicated everywhere: the other tests check its bytes
 
 
 def test_a_lost_node_gets_its_ranks_files_back_from_their_peers(

@@ -68,7 +68,6 @@ from ..errors import DataStatesError
 from .peer_ring import PeerRing
 from .peer_wire import (
     MARKER_NAME,
-    PEER_DIR,
     Link,
     ReplicaInvalid,
     Sink,
@@ -235,6 +234,8 @@ class PeerReplicator:
             where = self._link.where
             self._broken = f"{where}: {type(e).__name__}: {e}"
             raise self._error(self._broken, step, _file(where)) from e
+        if outcome.received_error:
+            shutil.rmtree(partial, ignore_errors=True)
         if outcome.sent_error or outcome.received_error:
             parts = [f"to rank {self.peer}: {outcome.sent_error}"] if outcome.sent_error else []
             if outcome.received_error:
@@ -363,26 +364,25 @@ class PeerReplicator:
 
     # -- cleanup --------------------------------------------------------------------------------
     def prune(self, dest_root: Path, *, keep: int) -> list[Path]:
-        """Remove the replicas under ``dest_root`` older than the newest ``keep`` steps of each
-        source rank, and leftover partial ones; returns what was removed. Local to this rank;
-        runs after the replications already asked for."""
+        """Remove the replicas this rank keeps under ``dest_root`` (its source rank's) older
+        than the newest ``keep`` steps, and a leftover partial one; returns what was removed.
+        Local to this rank, and to its own replicas: the other ranks of a node share
+        ``dest_root`` and may be writing theirs. Runs after the replications asked for."""
         if not isinstance(keep, int) or keep < 0:
             raise ValueError(f"keep={keep!r}: give a number of steps >= 0")
         return self._executor.submit(self._prune, Path(dest_root), keep).result()
 
-    @staticmethod
-    def _prune(dest_root: Path, keep: int) -> list[Path]:
-        removed = []
-        for holder in sorted((dest_root / PEER_DIR).glob("rank_*")):
-            steps = sorted(
-                (int(m.group(1)), p) for p in holder.iterdir() if (m := _STEP_DIR.match(p.name))
-            )
-            old = [p for _, p in steps[: max(0, len(steps) - keep)]]
-            old += [p for p in holder.iterdir() if p.name.endswith(".partial")]
-            for p in old:
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
-        return removed
+    def _prune(self, dest_root: Path, keep: int) -> list[Path]:
+        holder = replica_dir(dest_root, self.source, 0).parent
+        if not holder.is_dir():
+            return []
+        found = list(holder.iterdir())
+        steps = sorted((int(m.group(1)), p) for p in found if (m := _STEP_DIR.match(p.name)))
+        old = [p for _, p in steps[: max(0, len(steps) - keep)]]
+        old += [p for p in found if p.name.endswith(".partial")]
+        for p in old:
+            shutil.rmtree(p, ignore_errors=True)
+        return old
 
     def close(self) -> None:
         """Wait for the replications asked for, then release the thread and the group."""
