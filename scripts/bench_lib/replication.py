@@ -24,6 +24,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -32,6 +33,7 @@ from typing import Any
 
 from . import ranks
 from .common import GB, Recorder, Spread, fresh_dir, log
+from .train import _task_times_s
 
 SYSTEM = "ours PeerReplicator"
 #: The replicator's ``nice`` values compared (0: the training's own priority; 10: the default).
@@ -73,6 +75,7 @@ def worker(rank: int, world: int, port: int, workdir: Path, args: dict[str, Any]
         from dcp_datastates.checkpointers.peers import PeerReplicator
 
         torch.set_num_threads(1)
+        main_tid = threading.get_native_id()
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
         root = Path(args["root"]) / f"node{rank}"
@@ -102,6 +105,7 @@ def worker(rank: int, world: int, port: int, workdir: Path, args: dict[str, Any]
         for r in range((1 + len(NICE)) * args["rounds"]):
             nice = ([None, *NICE])[r % (1 + len(NICE))]
             times, rep_s = [], None
+            cpu0, (main0, wait0) = time.process_time(), _task_times_s(main_tid)
             if nice is None:
                 times = [step(False)[0] for _ in range(args["steps"])]
             else:
@@ -112,7 +116,17 @@ def worker(rank: int, world: int, port: int, workdir: Path, args: dict[str, Any]
                     if not anyone:
                         break
                 rep_s = future.result().seconds
-            rounds.append({"nice": nice, "times": times, "replication_s": rep_s})
+            main_run, main_wait = _task_times_s(main_tid)
+            rounds.append(
+                {
+                    "nice": nice,
+                    "times": times,
+                    "replication_s": rep_s,
+                    # every thread's CPU but the training's (the replication's, gloo's)
+                    "other_cpu_s": time.process_time() - cpu0 - (main_run - main0),
+                    "training_wait_s": main_wait - wait0,  # runnable, but no core free
+                }
+            )
         for replicator in replicators.values():
             replicator.close()
         dist.barrier()
@@ -169,9 +183,13 @@ def run(
     def step_times(i: int) -> list[float]:  # the slowest rank's, step by step
         return [max(ts) for ts in zip(*(r["rounds"][i]["times"] for r in reports), strict=True)]
 
+    def per_step(i: int, key: str) -> float:  # all ranks together, per step of round i
+        return sum(r["rounds"][i][key] for r in reports) / len(reports[0]["rounds"][i]["times"])
+
     for i, first in enumerate(reports[0]["rounds"]):
         if first["nice"] is None:
-            base = statistics.median(step_times(i))
+            base, base_other = statistics.median(step_times(i)), per_step(i, "other_cpu_s")
+            base_wait = per_step(i, "training_wait_s") / world
             continue
         on = step_times(i)
         rep_s = max(r["rounds"][i]["replication_s"] for r in reports)
@@ -185,6 +203,11 @@ def run(
                 "replication_s": rep_s,
                 "gb_per_s": total / GB / rep_s,
                 "extra_s": max(1e-9, sum(on) - len(on) * base),
+                # CPU the replication took, all ranks (beyond the baseline's other threads)
+                "replication_cpu_s": max(1e-9, (per_step(i, "other_cpu_s") - base_other) * len(on)),
+                # per step and rank: the training thread runnable with no core free
+                "training_wait_s": max(1e-9, per_step(i, "training_wait_s") / world),
+                "training_wait_base_s": max(1e-9, base_wait),
             },
             ranks=world,
             bytes=total,
@@ -202,8 +225,9 @@ def table(rec: Recorder) -> str:
         f"### Peer replication ({rows[0]['ranks']} gloo ranks, {rows[0]['bytes'] / GB:.2f} GB)",
         "",
         "| replicator | step s | step s while replicating | ratio (target <= 1.05) "
-        "| replication s | GB/s | extra training s per replication |",
-        "|---|---|---|---|---|---|---|",
+        "| replication s | GB/s | extra training s per replication | replication CPU s "
+        "| training wait for a core per step s (none: base) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for system in dict.fromkeys(r["system"] for r in rows):
 
@@ -215,6 +239,8 @@ def table(rec: Recorder) -> str:
         lines.append(
             f"| {system} | {med('step_s').fmt(4)} | {med('step_replicating_s').fmt(4)} "
             f"| {ratio.fmt(3)} {verdict} | {med('replication_s').fmt(3)} "
-            f"| {med('gb_per_s').fmt(2)} | {med('extra_s').fmt(3)} |"
+            f"| {med('gb_per_s').fmt(2)} | {med('extra_s').fmt(3)} "
+            f"| {med('replication_cpu_s').fmt(2)} | {med('training_wait_s').fmt(4)} "
+            f"({med('training_wait_base_s').fmt(4)}) |"
         )
     return "\n".join([*lines, ""])
