@@ -10,8 +10,9 @@ rank's data file and the node's copy of ``.metadata`` and the manifest.
                reports the future's result and how many all-reduces ran before it was done.
                That is step STEP-2; then STEP-1, which names a file missing on rank 0, and
                STEP; each rank prunes its replicas to the newest one.
-    restore    a rank whose data file is gone from its node's root says it lost its memory;
-               every rank calls restore(); reports what it got back, or how it failed.
+    restore    for each tree in RESTORE_TREES (``DIR/<tree>/node<k>``): a rank whose data file
+               is gone from its node's root says it lost its memory; every rank calls restore()
+               with one replicator; reports, per tree, what it got back, or how it failed.
     die        rank 3 exits right after the replicator is built; the others replicate; reports
                how each rank's future ended (rank 1 sends to and receives from rank 3).
 """
@@ -36,10 +37,12 @@ from _dist_workers import (  # noqa: E402
 STEP = 5
 RANKS_PER_NODE = 2
 CHUNK = 64 << 10
+#: The memory trees the restore scenario restores from, in order (the test prepares them).
+RESTORE_TREES = ("mem_corrupt", "mem_lost")
 
 
-def node_root(workdir: Path, rank: int) -> Path:
-    return Path(workdir) / "mem" / f"node{rank // RANKS_PER_NODE}"
+def node_root(workdir: Path, rank: int, mem: str = "mem") -> Path:
+    return Path(workdir) / mem / f"node{rank // RANKS_PER_NODE}"
 
 
 def data_name(rank: int) -> str:
@@ -136,16 +139,19 @@ def _scenario_restore(rank: int, world_size: int, port: int, workdir: Path) -> d
     from dcp_datastates.checkpointers.peers import PeerRestoreError
 
     _init(rank, world_size, port)
-    root = node_root(workdir, rank)
-    step_dir = root / f"step_{STEP}"
-    lost = not (step_dir / data_name(rank)).exists()
     replicator = _replicator(rank)
-    report: dict[str, Any] = {"lost": lost}
-    try:
-        report["restored"] = replicator.restore(STEP, lost, step_dir, root)
-    except PeerRestoreError as e:
-        report["error"] = str(e)
-        report["failures"] = {str(k): v for k, v in e.failures.items()}
+    report: dict[str, Any] = {}
+    for mem in RESTORE_TREES:  # one replicator: a failed restore leaves the group in step
+        root = node_root(workdir, rank, mem)
+        step_dir = root / f"step_{STEP}"
+        lost = not (step_dir / data_name(rank)).exists()
+        seen: dict[str, Any] = {"lost": lost}
+        try:
+            seen["restored"] = replicator.restore(STEP, lost, step_dir, root)
+        except PeerRestoreError as e:
+            seen["error"] = str(e)
+            seen["failures"] = {str(k): v for k, v in e.failures.items()}
+        report[mem] = seen
     replicator.close()
     dist.destroy_process_group()
     return report

@@ -32,14 +32,25 @@ NCCL job: NCCL would need them copied to the device first, and its own group wou
 training's streams. A group of its own means the background traffic never pairs with the
 training's collectives, which run on their own groups at the same time. Files stream in chunks of
 ``chunk_bytes`` (two chunk buffers per rank, whatever the state's size), one step at a time on
-one background thread, so steps never interleave.
+one background thread, so steps never interleave. That thread and gloo's threads for the group
+run ``nice`` steps below the caller's priority (see ``bench.py replication`` in
+``docs/benchmarks.md`` for what replication costs a training step).
+
+Memory: ``2 * chunk_bytes`` per rank while the replicator lives; on each node, the replicas it
+keeps: one source rank's files per rank per kept step (``keep``), as much as the node's own
+memory copy. The files named in :meth:`~PeerReplicator.replicate` are read while they stream:
+keep them unchanged until its future is done (a file removed or cut short meanwhile fails the
+step on both ends; one rewritten in place would replicate whatever bytes were read).
 
 Failures: a disk error on either side reaches both sides as a reason (see :mod:`.peer_wire`) and
 :meth:`~PeerReplicator.replicate`'s future fails with :class:`PeerReplicationError`; training is
 never interrupted. A transport failure (a peer died, ``timeout`` passed) also fails the future,
 and leaves the replicator *broken*: the pairing of messages on its group is lost, so every later
 :meth:`~PeerReplicator.replicate` fails at once with the first error. Build a new replicator
-after the job restarts.
+after the job restarts. :meth:`~PeerReplicator.restore` waits for replications in flight.
+
+The world size and the ring must be the same at restore as at replicate (the marker records the
+world size); after a change, load from another tier.
 
 May import: ``load``, ``storage`` and the leaves.
 """
