@@ -7,9 +7,9 @@ the same one) never waits on itself:
 
 1. header   JSON: the files' names and sizes (and what else the caller adds), or why there are
             none (a file the sender could not stat);
-2. chunks   the files' bytes as one stream cut into chunks of at most ``chunk_bytes``; one send
-            and one receive buffer per rank, so a transfer holds ``2 * chunk_bytes`` whatever the
-            state's size;
+2. chunks   the files' bytes as one stream cut into chunks of at most ``chunk_bytes``, two in
+            flight each way (one on the wire, one being read or written), so a transfer holds
+            ``4 * chunk_bytes`` whatever the state's size;
 3. trailer  JSON: the CRC-32C of each file as read by the sender, or why reading failed (the
             sender then sends zeros for what it could not read, so both sides stay in step);
 4. ack      JSON, the other way: whether the receiver wrote and verified everything.
@@ -339,10 +339,10 @@ class Link:
         self._wait(works)
         return json.loads(inbox.numpy().tobytes()) if frm is not None else None
 
-    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffers(self) -> list[torch.Tensor]:
+        """Two send and two receive buffers (pages are touched only by the ones used)."""
         if self._bufs is None:
-            n = self.chunk_bytes
-            self._bufs = (torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8))
+            self._bufs = [torch.empty(self.chunk_bytes, dtype=torch.uint8) for _ in range(4)]
         return self._bufs
 
     def release(self) -> None:
@@ -350,25 +350,34 @@ class Link:
         self._bufs = None
 
     def stream(self, source: Source | None, to: int | None, sink: Sink | None, frm: int | None):
-        out_buf, in_buf = self._buffers()
-        out_view, in_view = memoryview(out_buf.numpy()), memoryview(in_buf.numpy())
-        sent, got = 0, 0
+        """Send ``source``'s stream to ``to`` while receiving ``sink``'s from ``frm``, chunk by
+        chunk, double-buffered: chunk k+1 is read, and chunk k-1 written, while chunk k is on
+        the wire (gloo's threads move it)."""
+        bufs = self._buffers()
+        views = [memoryview(b.numpy()) for b in bufs]
         send_total = source.total if source is not None else 0
         recv_total = sink.total if sink is not None else 0
-        while sent < send_total or got < recv_total:
-            works, n, m = [], min(self.chunk_bytes, send_total - sent), 0
+        sent = got = landed = k = 0
+        inflight: list[Any] = []
+        while True:
+            n = min(self.chunk_bytes, send_total - sent)
+            m = min(self.chunk_bytes, recv_total - got)
+            out, into = k % 2, 2 + k % 2
+            if n:  # overlaps the previous chunk's transfer
+                source.read_into(views[out][:n])
+            self._wait(inflight)
+            inflight = []
             if n:
-                source.read_into(out_view[:n])
                 self.where = f"sending {source.current}"
-                works.append(self._send(out_buf[:n], to))
-            if got < recv_total:
-                m = min(self.chunk_bytes, recv_total - got)
-                works.append(self._recv(in_buf[:m], frm))
-            self._wait(works)
+                inflight.append(self._send(bufs[out][:n], to))
             if m:
-                sink.write(in_view[:m])
+                inflight.append(self._recv(bufs[into][:m], frm))
+            if landed:  # the previous chunk received: written while this one travels
+                sink.write(views[2 + (k - 1) % 2][:landed])
                 self.where = f"receiving {sink.current}"
-            sent, got = sent + n, got + m
+            if not n and not m:
+                break
+            sent, got, landed, k = sent + n, got + m, m, k + 1
         if source is not None:
             source.close()
         return sent, got

@@ -31,12 +31,12 @@ other groups). What travels is host bytes read from files, so gloo (TCP) is righ
 NCCL job: NCCL would need them copied to the device first, and its own group would share the
 training's streams. A group of its own means the background traffic never pairs with the
 training's collectives, which run on their own groups at the same time. Files stream in chunks of
-``chunk_bytes`` (two chunk buffers per rank, whatever the state's size), one step at a time on
+``chunk_bytes`` (four chunk buffers per rank, whatever the state's size), one step at a time on
 one background thread, so steps never interleave. That thread and gloo's threads for the group
 run ``nice`` steps below the caller's priority (see ``bench.py replication`` in
 ``docs/benchmarks.md`` for what replication costs a training step).
 
-Memory: ``2 * chunk_bytes`` per rank while the replicator lives; on each node, the replicas it
+Memory: ``4 * chunk_bytes`` per rank while the replicator lives; on each node, the replicas it
 keeps: one source rank's files per rank per kept step (``keep``), as much as the node's own
 memory copy. The files named in :meth:`~PeerReplicator.replicate` are read while they stream:
 keep them unchanged until its future is done (a file removed or cut short meanwhile fails the
@@ -142,7 +142,7 @@ class PeerReplicator:
         distance: nodes between a rank and its peer (:class:`PeerRing`).
         group: a gloo group dedicated to this replicator (node ids are its group ranks); by
             default one over the whole job is created here, collectively.
-        chunk_bytes: bytes per message; a rank holds two such buffers while it replicates.
+        chunk_bytes: bytes per message; a rank holds four such buffers (two each way).
         timeout: how long one message may take before the transfer fails.
         keep: after each successful replication, keep the newest ``keep`` steps' replicas
             under ``dest_root`` and remove older ones (``None``: keep all, see :meth:`prune`).
@@ -159,7 +159,7 @@ class PeerReplicator:
         ranks_per_node: int | None = None,
         distance: int = 1,
         group: Any = None,
-        chunk_bytes: int = 32 << 20,
+        chunk_bytes: int = 16 << 20,
         timeout: timedelta = timedelta(minutes=5),
         keep: int | None = None,
         nice: int = 10,

@@ -166,7 +166,7 @@ def run(
             "width": width,
             "matmuls": 4,
             "grad": 1 << 18,
-            "chunk": 32 << 20,
+            "chunk": 16 << 20,
             "warmup": 3,
         }
         log(
