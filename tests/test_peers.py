@@ -20,8 +20,8 @@ from _peer_workers import (
     rank_files,
 )
 
+from dcp_datastates.checkpointers.peer_replicas import MARKER_NAME, ReplicaInvalid, read_marker
 from dcp_datastates.checkpointers.peer_ring import PeerRing
-from dcp_datastates.checkpointers.peer_wire import MARKER_NAME, ReplicaInvalid, read_marker
 
 WORKERS = str(Path(__file__).with_name("_peer_workers.py"))
 WORLD = 4

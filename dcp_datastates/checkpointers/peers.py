@@ -76,19 +76,17 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import DataStatesError
-from .peer_ring import PeerRing
-from .peer_wire import (
+from .peer_replicas import (
     MARKER_NAME,
-    Link,
     ReplicaInvalid,
-    Sink,
-    Source,
     check_names,
     partial_dir,
     read_marker,
     replica_dir,
     swap_in,
 )
+from .peer_ring import PeerRing
+from .peer_wire import Link, Sink, Source
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +168,8 @@ class PeerReplicator:
             raise ValueError(f"chunk_bytes={chunk_bytes!r}: give a positive number of bytes")
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep={keep!r}: give a number of steps >= 1, or None")
+        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+            raise ValueError(f"timeout={timeout!r}: give a positive datetime.timedelta")
         if not isinstance(nice, int) or not 0 <= nice <= 19:
             raise ValueError(f"nice={nice!r}: give 0 (the caller's priority) to 19 (the lowest)")
         world = dist.get_world_size(group) if group is not None else dist.get_world_size()
@@ -223,8 +223,7 @@ class PeerReplicator:
         partial = partial_dir(final)
 
         def make_sink(header: dict[str, Any]) -> Sink:
-            if partial.exists():
-                shutil.rmtree(partial)
+            shutil.rmtree(partial, ignore_errors=True)  # left by a crash mid-transfer
             sink = Sink(partial, header["names"], header["sizes"], temp_suffix=".tmp")
             if header.get("step") != step and sink.error is None:
                 sink.error = f"rank {self.source} replicated step {header.get('step')}"
@@ -253,7 +252,8 @@ class PeerReplicator:
                 parts.append(f"from rank {self.source}: {outcome.received_error}")
             raise self._error("; ".join(parts), step, source.current)
         if self.keep is not None:
-            self._prune(dest_root, self.keep)
+            with contextlib.suppress(OSError):  # a replica left behind is retried next step
+                self._prune(dest_root, self.keep)
         report = ReplicaReport(
             step,
             self.rank,
