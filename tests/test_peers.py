@@ -22,6 +22,7 @@ from _peer_workers import (
 
 from dcp_datastates.checkpointers.peer_replicas import MARKER_NAME, ReplicaInvalid, read_marker
 from dcp_datastates.checkpointers.peer_ring import PeerRing
+from dcp_datastates.checkpointers.peers import PeerReplicator
 
 WORKERS = str(Path(__file__).with_name("_peer_workers.py"))
 WORLD = 4
@@ -180,3 +181,18 @@ def test_a_replica_without_its_marker_does_not_count(tmp_path: Path) -> None:
     (tmp_path / "__0_0.distcp").write_bytes(b"x")
     with pytest.raises(ReplicaInvalid, match="no replica"):
         read_marker(tmp_path, step=1, source=0, world_size=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"chunk_bytes": 0}, "chunk_bytes=0"),
+        ({"keep": 0}, "keep=0"),
+        ({"nice": 20}, "nice=20"),
+        ({"timeout": 30}, "timeout=30"),
+        ({}, "torch.distributed initialized"),  # this process has no group
+    ],
+)
+def test_replicator_names_a_bad_option_before_it_joins_a_group(kwargs: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        PeerReplicator(ranks_per_node=1, **kwargs)

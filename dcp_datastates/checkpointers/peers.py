@@ -162,8 +162,6 @@ class PeerReplicator:
         keep: int | None = None,
         nice: int = 10,
     ) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("PeerReplicator needs torch.distributed initialized on every rank")
         if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise ValueError(f"chunk_bytes={chunk_bytes!r}: give a positive number of bytes")
         if keep is not None and (not isinstance(keep, int) or keep < 1):
@@ -172,6 +170,8 @@ class PeerReplicator:
             raise ValueError(f"timeout={timeout!r}: give a positive datetime.timedelta")
         if not isinstance(nice, int) or not 0 <= nice <= 19:
             raise ValueError(f"nice={nice!r}: give 0 (the caller's priority) to 19 (the lowest)")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("PeerReplicator needs torch.distributed initialized on every rank")
         world = dist.get_world_size(group) if group is not None else dist.get_world_size()
         self.ring = PeerRing.of(
             world, node_of_rank=node_of_rank, ranks_per_node=ranks_per_node, distance=distance
