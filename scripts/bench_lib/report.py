@@ -207,9 +207,9 @@ def _extra_wait(f: _Figures, system: str) -> Spread | None:
     return _paired(f, system, extra)
 
 
-#: The training target: our overhead per checkpoint at most this fraction of stock async's.
-TRAIN_RATIO = 0.3
-#: Issue 38: with copy-on-write, our overhead per checkpoint at most this multiple of the floor's.
+#: The training target (issues 38, 41): our overhead per checkpoint at most this multiple of the
+#: floor's in the same cycles. Stock async's overhead is bimodal on a small VM (0.11-0.40x from
+#: one run to the next), so it is reported beside the target, not judged against.
 TRAIN_FLOOR_RATIO = 1.3
 
 
@@ -262,15 +262,14 @@ def _idle_line(f: _Figures) -> str:
     if train_cpu is None or idle is None or wall is None:
         return ""
     cores = f.rec.select("train_block")[0]["cores"]
-    stock, bound = _overheads(f, train.STOCK_ASYNC), _lower_bounds(f, train.OURS)
+    bound = _lower_bounds(f, train.OURS)
     target = ""
     floor, ours = _overheads(f, train.FLOOR), _overheads(f, train.OURS)
-    if stock is not None and bound is not None:
+    if floor is not None and bound is not None:
         target = (
-            f" The target allows ours {TRAIN_RATIO} x stock async's overhead = "
-            f"{TRAIN_RATIO * stock.median:.3f} s per checkpoint; our lower bound is "
-            f"{bound.median:.3f} s"
-            + ("." if floor is None else f", the floor's overhead {floor.median:.3f} s.")
+            f" The target allows ours {TRAIN_FLOOR_RATIO} x the floor's overhead = "
+            f"{TRAIN_FLOOR_RATIO * floor.median:.3f} s per checkpoint; our lower bound is "
+            f"{bound.median:.3f} s."
         )
     if floor is not None and ours is not None:
         cpu_ours, cpu_floor = (
@@ -287,10 +286,7 @@ def _idle_line(f: _Figures) -> str:
             if _above_zero(floor)
             else "n/a (the floor's median overhead is not above zero in these cycles)"
         )
-        target += (
-            f" Ours / the floor's overhead: {ratio} (issue 38 asks for at most "
-            f"{TRAIN_FLOOR_RATIO}x){cpu}."
-        )
+        target += f" Ours / the floor's overhead: {ratio} (at most {TRAIN_FLOOR_RATIO}x){cpu}."
     return (
         f"\n\nNo-checkpoint block: {wall.fmt(3)} s on {cores} cores; the training used "
         f"{train_cpu.fmt(3)} CPU s, the machine left {idle.fmt(3)} CPU s idle. Lower bound: "
@@ -679,29 +675,14 @@ def _per_round_vs_limit(f: _Figures) -> str:
     return ", ".join(f"{x:.2f}" for x in ratios)
 
 
-def _training_limit(f: _Figures) -> tuple[float | None, str]:
-    """The floor's overhead (``floor.py``: the least a lazy, verified, durable checkpoint does,
-    in the same cycles) against stock async's; without floor blocks, our CPU lower bound
-    (``_lower_bounds``). The lower bound is in the detail either way: the floor's overhead
-    includes its contention for the cores, the bound only their capacity."""
-    stock = _overheads(f, train.STOCK_ASYNC)
-    bound, bound_detail = _ratio_value(
-        _lower_bounds(f, train.OURS), stock, "needs train with CPU figures"
-    )
-    floor_over, ours = _overheads(f, train.FLOOR), _overheads(f, train.OURS)
-    floor, floor_detail = _ratio_value(floor_over, stock, "no floor blocks")
-    if stock is None or (floor is None and bound is None):
-        return None, bound_detail
-    allowed = f"{TRAIN_RATIO} x stock = {TRAIN_RATIO * stock.median:.3f} s"
-    cpu = (
-        f"max(0, ckpt CPU - idle CPU) / cores against stock: {bound_detail}"
-        if bound is not None
-        else f"CPU lower bound: n/a ({bound_detail})"
-    )
-    if floor is None or floor_over is None:
-        return bound, f"{cpu} ({allowed})"
-    gap = "" if ours is None else f"; ours {ours.median - floor_over.median:+.3f} s against it"
-    return floor, f"floor overhead against stock: {floor_detail} ({allowed}{gap}); {cpu}"
+def _training_vs_floor(f: _Figures) -> tuple[float | None, str]:
+    """Ours / the floor's overhead per checkpoint (``floor.py``: the least a lazy, verified,
+    durable checkpoint does), medians over the same cycles; stock async's beside it."""
+    ours, stock = _overheads(f, train.OURS), _overheads(f, train.STOCK_ASYNC)
+    value, detail = _ratio_value(ours, _overheads(f, train.FLOOR), "needs train (floor blocks)")
+    if value is not None and ours is not None and _above_zero(stock):
+        detail += f"; stock async {stock.fmt(3)} s: ours {ours.median / stock.median:.2f}x it"
+    return value, detail
 
 
 def _cold_load(f: _Figures) -> tuple[float | None, str]:
@@ -968,13 +949,10 @@ TARGETS = [
         lambda v: v >= 1.5,
     ),
     Target(
-        "training overhead: ours / stock async",
-        f"<= {TRAIN_RATIO}",
-        lambda f: _ratio_value(
-            _overheads(f, train.OURS), _overheads(f, train.STOCK_ASYNC), "needs train"
-        ),
-        lambda v: v <= TRAIN_RATIO,
-        limit=lambda f: _training_limit(f),
+        "training overhead: ours / the floor's, same cycles",
+        f"<= {TRAIN_FLOOR_RATIO}",
+        _training_vs_floor,
+        lambda v: v <= TRAIN_FLOOR_RATIO,
     ),
 ]
 
