@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import cow, load, scaling, train
+from . import cow, disk_limit, load, scaling, train
 from .common import GB, Recorder, Spread
-from .limits import copy_workers, write_limit_name
+from .limits import copy_workers
 from .systems import DCP_OURS, FLOOR, SAVE_SYSTEMS
 
 STOCK_ASYNC = SAVE_SYSTEMS["stock-async"]
@@ -624,57 +624,6 @@ def _ratio_value(
     return a.median / b.median, detail
 
 
-def _durable_vs_limit(f: _Figures) -> tuple[float | None, str]:
-    ours = f.spread("save", OURS_FULL, "durable_gb_per_s")
-    limit = next(
-        (
-            f.spread("save", n, "durable_gb_per_s")
-            for n in f.systems("save")
-            if n.startswith("raw write+fsync")
-        ),
-        None,
-    )
-    if limit is None:
-        names = [
-            n
-            for n in f.systems("limits")
-            if n.startswith("write+fsync") and n != write_limit_name(1)
-        ]
-        limit = f.spread("limits", names[0], "gb_per_s") if names else None
-    value, detail = _ratio_value(ours, limit, "needs save (and a write limit)", "GB/s")
-    rounds = _per_round_vs_limit(f)
-    if value is not None and rounds:
-        detail += f"; per round {rounds}"
-    direct = next(
-        (
-            f.spread("save", n, "durable_gb_per_s")
-            for n in f.systems("save")
-            if n.startswith("raw direct write+fsync")
-        ),
-        None,
-    )
-    if value is not None and ours is not None and direct is not None and direct.median > 0:
-        detail += f"; O_DIRECT limit {direct.fmt(3)} GB/s, ours {ours.median / direct.median:.2f}x"
-    return value, detail
-
-
-def _per_round_vs_limit(f: _Figures) -> str:
-    """Ours / the raw limit of the same round of the save rotation (the disk swings between
-    rounds, so the ratio of medians can hide a round that lost)."""
-    limit = {
-        r["round"]: r["figures"]["durable_gb_per_s"]
-        for n in f.systems("save")
-        if n.startswith("raw write+fsync")
-        for r in f.rec.select("save", system=n)
-    }
-    ratios = [
-        r["figures"]["durable_gb_per_s"] / limit[r["round"]]
-        for r in f.rec.select("save", system=OURS_FULL)
-        if limit.get(r["round"])
-    ]
-    return ", ".join(f"{x:.2f}" for x in ratios)
-
-
 def _training_vs_floor(f: _Figures) -> tuple[float | None, str]:
     """Ours / the floor's overhead per checkpoint (``floor.py``: the least a lazy, verified,
     durable checkpoint does), medians over the same cycles; stock async's beside it."""
@@ -691,25 +640,6 @@ def _cold_load(f: _Figures) -> tuple[float | None, str]:
     if raw is None and f.rec.select("load"):
         return None, "page cache not dropped"
     return _ratio_value(ours, raw, "needs load", "GB/s")
-
-
-def _durable_every_round(f: _Figures) -> tuple[float | None, str]:
-    """The worst round's ratio: ours against the write+fsync limit measured in the same round's
-    rotation (issue 11: at least 90%, steadily across rounds)."""
-    limit = next((n for n in f.systems("save") if n.startswith("raw write+fsync")), None)
-    if limit is None:
-        return None, "needs save with its write limit"
-    base = {
-        r["round"]: r["figures"]["durable_gb_per_s"] for r in f.rec.select("save", system=limit)
-    }
-    ratios = [
-        r["figures"]["durable_gb_per_s"] / base[r["round"]]
-        for r in f.rec.select("save", system=OURS_FULL)
-        if base.get(r["round"])
-    ]
-    if not ratios:
-        return None, "needs save"
-    return min(ratios), "per round: " + ", ".join(f"{x:.2f}" for x in ratios)
 
 
 def _safe_limit(f: _Figures) -> tuple[float | None, str]:
@@ -897,15 +827,15 @@ TARGETS = [
         limit=_safe_limit,
     ),
     Target(
-        "durable throughput: ours async / parallel write+fsync limit",
+        "durable throughput: ours async / best writer's write+fsync limit",
         ">= 0.9",
-        _durable_vs_limit,
+        disk_limit.durable_vs_limit,
         lambda v: v >= 0.9,
     ),
     Target(
         "durable throughput, worst round: ours / limit of the same round",
         ">= 0.9",
-        _durable_every_round,
+        disk_limit.durable_every_round,
         lambda v: v >= 0.9,
     ),
     Target(
@@ -973,6 +903,7 @@ def summary(rec: Recorder) -> str:
     f = _Figures(rec)
     parts = [
         limits_table(f),
+        disk_limit.sweep_table(rec),
         save_table(f),
         load_table(f),
         train_table(f),
