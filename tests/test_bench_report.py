@@ -324,7 +324,7 @@ def test_the_sweep_writes_every_configuration_once_and_keeps_the_fastest(
     configs = disk_limit.configs(direct)
     assert configs[0] == disk_limit.ours() or not direct
     assert len({c.label for c in configs}) == len(configs) >= 3
-    best, seconds, gbps = disk_limit.sweep(rec, tmp_path, 8 << 20, 0, "test")
+    best, seconds, gbps = disk_limit.sweep(rec, tmp_path, 8 << 20, 0, "limits")
     swept = {r["system"]: r["figures"]["gb_per_s"] for r in rec.select(disk_limit.SWEEP)}
     assert set(swept) == {c.label for c in configs}
     assert swept[best] == gbps == max(swept.values()) and seconds > 0
