@@ -27,10 +27,17 @@ def _payload(block: int = BLOCK) -> memoryview:
     return memoryview(os.urandom(block))
 
 
+_random: list[memoryview] = []  # the largest random, page-aligned block made so far
+
+
 def _aligned_payload(block: int = BLOCK) -> memoryview:
-    buf = mmap.mmap(-1, block)  # page aligned, as O_DIRECT needs
-    buf.write(os.urandom(block))
-    return memoryview(buf)
+    """``block`` random bytes, page aligned (as ``O_DIRECT`` needs), made once and reused: the
+    write sweep asks for several sizes in a row, and ``os.urandom`` of 64 MiB is not free."""
+    if not _random or _random[0].nbytes < block:
+        buf = mmap.mmap(-1, block)
+        buf.write(os.urandom(block))
+        _random[:] = [memoryview(buf)]
+    return _random[0][:block]
 
 
 def file_share(total_bytes: int, writers: int) -> int:
@@ -60,8 +67,9 @@ def write_fsync(
     """Seconds for ``writers`` threads to each write ``file_share`` bytes into its own file in
     ``block``-byte writes and fsync it at the end (with ``direct``: ``O_DIRECT`` from an aligned
     buffer, bypassing the page cache)."""
-    data = _aligned_payload(block) if direct else _payload(block)
     share = file_share(total_bytes, writers)
+    block = min(block, share)
+    data = _aligned_payload(block)
     barrier = threading.Barrier(writers + 1)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
 
