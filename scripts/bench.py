@@ -54,7 +54,6 @@ FULL: dict[str, Any] = {
     "limit_gb": 1.0,
     "load_gb": 2.0,
     "load_objects": 6000,
-    "writers": 4,
     "saves": 4,
     "limits_rounds": 2,
     "rounds": 2,
@@ -165,7 +164,6 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--load-objects", type=int, help="small objects of the load scenario's object state"
     )
-    g.add_argument("--writers", type=int, help="parallel writers of the write+fsync limit")
     g.add_argument(
         "--saves", type=int, help="saves per save-worker process (all but the first reported)"
     )
@@ -267,7 +265,6 @@ def _run(args: argparse.Namespace) -> int:
                     rec,
                     workdir=args.dir,
                     nbytes=int(args.limit_gb * GB),
-                    writers=args.writers,
                     rounds=args.limits_rounds,
                     cold=cold,
                 )
@@ -279,7 +276,6 @@ def _run(args: argparse.Namespace) -> int:
                     tensors=args.tensors,
                     rounds=args.rounds,
                     saves=args.saves,
-                    writers=args.writers,
                     isolate=args.isolate,
                     keys=args.systems,
                 )

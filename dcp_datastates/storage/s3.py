@@ -41,6 +41,9 @@ from ._s3_client import ObjectStoreError, RetryPolicy, _Client, classify
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
+#: Defaults of ``part_bytes`` and ``parts_in_flight`` (``docs/storage.md``, "Settings").
+PART_BYTES = 16 * MiB
+PARTS_IN_FLIGHT = 2
 
 
 class _MultipartWriter(io.RawIOBase):
@@ -223,8 +226,8 @@ class S3Storage:
         url: str,
         storage_options: Mapping[str, Any] | None = None,
         *,
-        part_bytes: int = 16 * MiB,
-        parts_in_flight: int = 2,
+        part_bytes: int = PART_BYTES,
+        parts_in_flight: int = PARTS_IN_FLIGHT,
     ) -> None:
         options = dict(storage_options or {})
         retry = options.pop("retry", None) or RetryPolicy()
