@@ -34,6 +34,8 @@ from bench_lib import (
     report,
     save,
     scaling,
+    sim_plot,
+    simulate,
     systems,
     timeline,
     train,
@@ -41,8 +43,9 @@ from bench_lib import (
 from bench_lib.common import GB, Recorder, log
 
 SCENARIOS = ["limits", "save", "load", "train", "forward", "cow", "scaling", "ranks"]
-#: Run only when named (not in "all"): they need the s3 extra and moto.
-EXTRA_SCENARIOS = ["objstore"]
+#: Run only when named (not in "all"): objstore needs the s3 extra and moto; simulate plans
+#: simulated jobs of up to 4,096 ranks (minutes, GBs of memory).
+EXTRA_SCENARIOS = ["objstore", "simulate"]
 
 #: Defaults of the full run and of --quick; an option given on the command line wins over both.
 FULL: dict[str, Any] = {
@@ -341,6 +344,8 @@ def _run(args: argparse.Namespace) -> int:
                     tensors=args.tensors,
                     rounds=args.rounds,
                 )
+            elif scenario == "simulate":
+                simulate.run(rec, workdir=args.dir, quick=args.quick, png=args.out / "simulate.png")
             elapsed[scenario] = time.monotonic() - t0
             log(f"{scenario}: {elapsed[scenario]:.1f} s")
     finally:
@@ -352,6 +357,7 @@ def _run(args: argparse.Namespace) -> int:
         rec.note(f"timeline picture: {png}")
     text = report.summary(rec)
     text += objstore.table(rec)
+    text += sim_plot.table(rec)
     text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
     text += f"; total {time.monotonic() - started:.0f} s.\n"
     (args.out / "summary.md").write_text(text)
