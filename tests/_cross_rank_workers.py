@@ -39,7 +39,7 @@
                      gives a tensor another shape of the same bytes. Each rank reports its
                      replays, which saves reused the write items, and what loaded back wrong.
     plan-cache       one writer per rank, dcp_datastates.async_save four times with one
-                     layout, then once with a tensor of another shape: the coordinator's
+                     layout, then once with rank 1's own tensor in another shape: the coordinator's
                      global plans made and served from the writer's cache, and what loaded
                      back wrong (through stock dcp.load).
 """
@@ -589,8 +589,8 @@ def _plan_cache(rank: int, world_size: int, port: int, workdir: Path) -> dict[st
     mine = torch.full((32, 32), float(rank))
     try:
         for i in range(5):
-            w = weight.view(32, 128) if i == 4 else weight
-            state = {"w": w, f"rank{rank}": mine, "step": i}
+            own = mine.view(16, 64) if i == 4 and rank == 1 else mine  # rank 1's plan changes
+            state = {"w": weight, f"rank{rank}": own, "step": i}
             expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
             path = str(workdir / f"save{i}")
             async_save(state, writer, checkpoint_id=path).upload_completion.result(

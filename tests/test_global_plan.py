@@ -4,6 +4,7 @@ in ``test_distributed``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -16,7 +17,12 @@ from torch.distributed.checkpoint.planner import WriteItemType as Kind
 
 from dcp_datastates import WriterUsageError
 from dcp_datastates.format import RecordInfo, encode_manifest
-from dcp_datastates.save.global_plan import GlobalPlanMemo, plan_globally, validate_global_plan
+from dcp_datastates.save.global_plan import (
+    GlobalPlanMemo,
+    PlanToken,
+    plan_globally,
+    validate_global_plan,
+)
 
 
 def _item(fqn: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]):
@@ -115,6 +121,7 @@ def test_a_repeat_save_is_served_from_the_cache_and_a_changed_rank_plans_again()
     _, first, metadata = ranks.save(plans)
     sent, again, metadata2 = ranks.save(plans)  # every rank replays: the same plan objects
     assert all(not p.usable and not p.items for p in sent), "unchanged ranks sent their plans"
+    assert all(isinstance(p.planner_data, PlanToken) for p in sent)
     assert (ranks.memos[0].made, ranks.memos[0].served) == (1, 1)
     assert all(a is b for a, b in zip(again, first, strict=True))
     assert metadata2.state_dict_metadata == metadata.state_dict_metadata
@@ -125,7 +132,12 @@ def test_a_repeat_save_is_served_from_the_cache_and_a_changed_rank_plans_again()
 
     changed = list(plans)
     changed[1] = SavePlan(list(plans[1].items), planner_data=plans[1].planner_data)  # a new plan
-    sent, final, _ = ranks.save(changed)
+    local = [m.local(p) for m, p in zip(ranks.memos, changed, strict=True)]
+    # what the writer's prepare_local_plan adds: this save's checkpoint, on every rank's plan
+    sent = [dataclasses.replace(p, storage_data=f"save-3:{i}") for i, p in enumerate(local)]
+    central, _ = ranks.memos[0].plan(sent)
+    assert [p.storage_data for p in central] == [f"save-3:{i}" for i in range(3)]
+    final = [m.finish(c, p) for m, c, p in zip(ranks.memos, central, changed, strict=True)]
     assert [p.usable for p in sent] == [False, True, False]
     assert ranks.memos[0].made == 2, "a changed rank's plan was not planned again"
     assert all(p.usable and p.items for p in final)

@@ -182,10 +182,14 @@ class GlobalPlanMemo:
                     "rank then sends its whole plan"
                 )
             if len(unchanged) == len(all_plans):
-                empty = SavePlan([], planner_data=PlanToken(cached[3]), usable=False)
+                # The ranks' own empty plans: their storage_data names this save's checkpoint,
+                # which the writer's global step compares across ranks.
                 self.served += 1
-                return [empty] * len(all_plans), _fresh(cached[2])
-            all_plans = [cached[0][i] if not p.usable else p for i, p in enumerate(all_plans)]
+                return list(all_plans), _fresh(cached[2])
+            all_plans = [
+                p if p.usable else dataclasses.replace(cached[0][i], storage_data=p.storage_data)
+                for i, p in enumerate(all_plans)
+            ]
         self._global = None  # replaced only by a plan that succeeded
         global_plan, metadata = plan_globally(all_plans)
         self.made += 1
