@@ -36,6 +36,8 @@ from bench_lib import (
     restart,
     save,
     scaling,
+    sim_plot,
+    simulate,
     systems,
     timeline,
     train,
@@ -44,8 +46,9 @@ from bench_lib.common import GB, Recorder, log
 
 SCENARIOS = ["limits", "save", "load", "train", "forward", "cow", "scaling", "ranks"]
 #: Run only when named (not in "all"): objstore and restart need the s3 extra and moto;
-#: replication, the training-step cost of peer replication, wants spare cores to mean anything.
-EXTRA_SCENARIOS = ["objstore", "restart", "replication"]
+#: replication, the training-step cost of peer replication, wants spare cores to mean anything;
+#: simulate plans simulated jobs of up to 4,096 ranks (minutes, GBs of memory).
+EXTRA_SCENARIOS = ["objstore", "restart", "replication", "simulate"]
 
 #: Defaults of the full run and of --quick; an option given on the command line wins over both.
 FULL: dict[str, Any] = {
@@ -367,6 +370,8 @@ def _run(args: argparse.Namespace) -> int:
                     rounds=args.rounds,
                     cold=args.drop_caches == "yes",
                 )
+            elif scenario == "simulate":
+                simulate.run(rec, workdir=args.dir, quick=args.quick, png=args.out / "simulate.png")
             elapsed[scenario] = time.monotonic() - t0
             log(f"{scenario}: {elapsed[scenario]:.1f} s")
     finally:
@@ -379,6 +384,7 @@ def _run(args: argparse.Namespace) -> int:
     text = report.summary(rec)
     text += objstore.table(rec) + restart.table(rec)
     text += replication.table(rec)
+    text += sim_plot.table(rec)
     text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
     text += f"; total {time.monotonic() - started:.0f} s.\n"
     (args.out / "summary.md").write_text(text)

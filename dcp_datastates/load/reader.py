@@ -338,6 +338,20 @@ class DataStatesReader(StorageReader):
         return completed(None)
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        records, targets = self._plan_reads(plan, planner)
+        fetch = Fetch(self.storage, records, targets, self.fetch_options, self._decode)
+        fetch.run()
+        for req, target in targets.items():
+            planner.commit_tensor(req, target)
+        for req, blob in fetch.blobs.items():
+            name = self.metadata.storage_data[req.storage_index].relative_path
+            self._load_bytes(name, req, blob, planner)
+
+    def _plan_reads(
+        self, plan: LoadPlan, planner: LoadPlanner
+    ) -> tuple[list[Record], dict[ReadItem, torch.Tensor]]:
+        """The plan's records (items sharing one are read once) and each tensor item's target,
+        resolved here, on DCP's thread: planners need not be thread-safe."""
         assert self.metadata is not None
         records: dict[tuple[str, int], Record] = {}
         targets: dict[ReadItem, torch.Tensor] = {}
@@ -360,17 +374,8 @@ class DataStatesReader(StorageReader):
                 records[(sinfo.relative_path, sinfo.offset)] = record
             record.reqs.append(req)
             if req.type != LoadItemType.BYTE_IO:
-                # Resolved here, on DCP's thread: planners need not be thread-safe.
                 targets[req] = planner.resolve_tensor(req).detach()
-        fetch = Fetch(
-            self.storage, list(records.values()), targets, self.fetch_options, self._decode
-        )
-        fetch.run()
-        for req, target in targets.items():
-            planner.commit_tensor(req, target)
-        for req, blob in fetch.blobs.items():
-            name = self.metadata.storage_data[req.storage_index].relative_path
-            self._load_bytes(name, req, blob, planner)
+        return list(records.values()), targets
 
     def _decode(self, record: Record, raw: memoryview) -> bytes:
         """A record that stock ``FileSystemWriter`` wrote through stream transforms

@@ -56,6 +56,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
@@ -413,7 +414,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             plan = dataclasses.replace(plan, storage_data=f"__{save.rank}_")
         elif plan.storage_data is None and dist.is_initialized() and dist.get_world_size() > 1:
             # Several processes: the coordinator checks that every rank names one checkpoint.
-            # (A single rank's plan keeps its identity, which GlobalPlanMemo matches by.)
+            # (The planner matched the plan to its cache before: global_plan.py.)
             target = _RankTarget(save.storage.describe("").rstrip("/"))
             plan = dataclasses.replace(plan, storage_data=target)
         return plan
@@ -425,9 +426,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         # the same names (a user sweep: overwrite=False saved over one, and an old .metadata
         # was left committing overwritten data).
         save.clear_old_records(overwrite=self.options.overwrite, sync=self.options.sync_files)
-        # A plan keeps the prefix it has (a rank's own, without collectives; a cached plan's).
+        # A plan keeps its prefix (a rank's own, a cached plan's); s3.py may add a data_dir.
+        at = getattr(save.storage, "data_dir", lambda rank: "")
         return [
-            p if isinstance(p.storage_data, str) else dataclasses.replace(p, storage_data=f"__{i}_")
+            p if isinstance(p.storage_data, str) else replace(p, storage_data=f"{at(i)}__{i}_")
             for i, p in enumerate(plans)
         ]
 
