@@ -180,13 +180,21 @@ def test_roundtrip_with_stock_arguments(impl: str, mode: str, tmp_path: Path) ->
 
 
 def test_overwrite(impl: str, tmp_path: Path) -> None:
+    """PyTorch's own ``test_overwrite`` (test_fsspec.py, test_e2e_save_and_load.py), on CPU:
+    a refused save raises what stock raises, with stock's words (code matches on them)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     path = tmp_path / "ckpt"
-    dcp.save(_state(1), storage_writer=writer_for(impl, path))
+    dcp.save(_state(1), storage_writer=writer_for(impl, path, overwrite=False))
     dcp.save(_state(2), storage_writer=writer_for(impl, path, overwrite=True))
     _check_loads(path, _state(2))
-    with pytest.raises(BaseException) as info:  # DCP's CheckpointException is a BaseException
+    with pytest.raises(CheckpointException, match=".*Checkpoint already exists.*") as info:
         dcp.save(_state(3), storage_writer=writer_for(impl, path, overwrite=False))
-    assert "overwrite" in str(info.value)
+    ((error, _),) = info.value.failures.values()  # (exception, traceback) per rank
+    assert type(error) is RuntimeError
+    assert "Checkpoint already exists and self.overwrite=False." in str(error)
+    if impl == "ours":  # and ours says where, and what to do
+        assert f"{path / '.metadata'} exists" in str(error) and "overwrite=True" in str(error)
     _check_loads(path, _state(2))
 
 
