@@ -122,6 +122,27 @@ def writer_options(
     return WriterOptions(**merged)
 
 
+class StockWriterAttributes:
+    """Stock ``FileSystemWriter``'s attributes that are options of ours, read from the options
+    (a user sweep: code reading ``writer.overwrite`` or ``writer.thread_count`` broke on ours).
+    A base of ``DataStatesWriter``, which sets ``options``."""
+
+    options: WriterOptions
+
+    @property
+    def sync_files(self) -> bool:
+        return self.options.sync_files
+
+    @property
+    def overwrite(self) -> bool:
+        return self.options.overwrite
+
+    @property
+    def thread_count(self) -> int:
+        """Files written in parallel per rank: ``flush_workers``."""
+        return self.options.flush_workers
+
+
 def lazy_staging_planner(planner: Any) -> bool:
     """Whether our lazy snapshot (planned from the state dict by our own ``DefaultSavePlanner``)
     saves what ``planner`` would: no planner, or a ``DefaultSavePlanner`` with default flags
@@ -160,6 +181,7 @@ def stock_stage(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "STOCK_WRITER_ARGS",
+    "StockWriterAttributes",
     "lazy_staging_planner",
     "stock_stage",
     "writer_options",
