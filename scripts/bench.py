@@ -8,7 +8,8 @@
 Scenarios: limits (disk, memory), save, load, train (with the timeline PNG), forward (a BatchNorm
 loop with an EMA hook: what protecting forward-updated buffers costs), cow (what copy-on-write
 costs a training step, and an EMA evaluation right after a save), scaling, ranks (two gloo
-ranks). Every measurement is printed as one JSON line on stdout (and appended to
+ranks); only when named: objstore (moto S3 on loopback), compress (ZStandard: bytes saved and
+durable time, stock and ours). Every measurement is printed as one JSON line on stdout (and appended to
 OUT/results.jsonl); the summary tables, with ratios against the stock baselines and the targets
 met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to stderr.
 See docs/benchmarks.md for what each figure means.
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_lib import (
+    compress,
     cow,
     forward,
     limits,
@@ -41,8 +43,8 @@ from bench_lib import (
 from bench_lib.common import GB, Recorder, log
 
 SCENARIOS = ["limits", "save", "load", "train", "forward", "cow", "scaling", "ranks"]
-#: Run only when named (not in "all"): they need the s3 extra and moto.
-EXTRA_SCENARIOS = ["objstore"]
+#: Run only when named (not in "all"): objstore needs the s3 extra and moto, compress zstandard.
+EXTRA_SCENARIOS = ["objstore", "compress"]
 
 #: Defaults of the full run and of --quick; an option given on the command line wins over both.
 FULL: dict[str, Any] = {
@@ -80,6 +82,7 @@ FULL: dict[str, Any] = {
     "ranks_gb": 1.0,
     "s3_gb": 0.5,
     "ranks_worlds": "2,4",
+    "compress_params": 50_000_000,  # 0.7 GB: 14 bytes a parameter
 }
 QUICK: dict[str, Any] = {
     **FULL,
@@ -116,6 +119,7 @@ QUICK: dict[str, Any] = {
     "ranks_gb": 0.01,
     "s3_gb": 0.02,
     "ranks_worlds": "2",
+    "compress_params": 1_000_000,
 }
 
 
@@ -192,6 +196,7 @@ def _parser() -> argparse.ArgumentParser:
         "this many seconds (it always saves once)",
     )
     g.add_argument("--s3-gb", type=float, help="state size of the objstore scenario, GB")
+    g.add_argument("--compress-params", type=int, help="parameters of the compress scenario")
     g.add_argument("--ranks-gb", type=float, help="state size of the ranks save, all ranks")
     g.add_argument("--ranks-worlds", help="comma-separated rank counts of the ranks scenario")
     return p
@@ -221,6 +226,7 @@ def _scratch_bytes(args: argparse.Namespace, wanted: list[str]) -> int:
         "scaling": max(float(x) for x in args.scale_sizes.split(",")),
         "ranks": args.ranks_gb,
         "objstore": args.s3_gb,
+        "compress": args.compress_params * 14 / GB,
     }
     return int(2 * max((sizes.get(s, 0.0) for s in wanted), default=0.0) * GB)
 
@@ -341,6 +347,8 @@ def _run(args: argparse.Namespace) -> int:
                     tensors=args.tensors,
                     rounds=args.rounds,
                 )
+            elif scenario == "compress":
+                compress.run(rec, workdir=args.dir, params=args.compress_params, rounds=args.rounds)
             elapsed[scenario] = time.monotonic() - t0
             log(f"{scenario}: {elapsed[scenario]:.1f} s")
     finally:
@@ -352,6 +360,7 @@ def _run(args: argparse.Namespace) -> int:
         rec.note(f"timeline picture: {png}")
     text = report.summary(rec)
     text += objstore.table(rec)
+    text += compress.table(rec)
     text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
     text += f"; total {time.monotonic() - started:.0f} s.\n"
     (args.out / "summary.md").write_text(text)

@@ -356,8 +356,10 @@ class SnapshotRuntime:
         storage: Storage,
         items: Sequence[WriteItem],
         prefix: str,
+        transforms: Sequence[Any] = (),
     ) -> Future[Any]:
-        """Write ``items`` of ``session`` as their pieces land; the future holds the results.
+        """Write ``items`` of ``session`` as their pieces land (through stream ``transforms``,
+        if any: ``transforms.py``); the future holds the results.
 
         A session that was dropped (``close()`` gave up on it) fails here with its error: the
         live tensors are never read in its place."""
@@ -375,7 +377,7 @@ class SnapshotRuntime:
             # waited for itself, and close() for both.
             session.retire()
             return failed
-        result = res.flush(session, storage, items, prefix)
+        result = res.flush(session, storage, items, prefix, transforms)
         result.add_done_callback(lambda _f: self._flush_over(session))
         return result
 

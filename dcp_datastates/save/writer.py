@@ -90,6 +90,7 @@ from .process_staging import daemon_runtime, raise_relayed, stage_for_process
 from .records import _Save
 from .runtime import SnapshotRuntime
 from .staging import ThreadStaging
+from .transforms import stream_transforms
 
 
 @_dcp_private.no_synchronize_after_execute
@@ -107,8 +108,9 @@ class DataStatesWriter(StorageWriter, AsyncStager, StockWriterAttributes):
             compatibility, without effect.
         sync_files, overwrite: As stock (and :class:`~dcp_datastates.WriterOptions`).
         thread_count: Files written in parallel per rank (``flush_workers``).
-        _extensions: Must be empty: stream transforms (compression) are refused.
-        serialization_format: ``TORCH_SAVE`` only.
+        _extensions: As stock: stream transforms every record is written through, such as
+            ``[ZStandard()]`` compression (``transforms.py``); stock readers decode them.
+        serialization_format: ``TORCH_SAVE`` only (see :func:`compat.writer_options`).
         **options: Keyword-only fields of :class:`~dcp_datastates.WriterOptions`
             (``host_pool_bytes``, ``flush_workers``, ``guard_optimizer_step``, ...).
 
@@ -138,10 +140,10 @@ class DataStatesWriter(StorageWriter, AsyncStager, StockWriterAttributes):
             per_thread_copy_ahead=per_thread_copy_ahead,
             cache_staged_state_dict=cache_staged_state_dict,
             overwrite=overwrite,
-            _extensions=_extensions,
             serialization_format=serialization_format,
             options=options,
         )
+        self._transforms = stream_transforms(_extensions)  # compression, ...: transforms.py
         self.save_id: str | None = None  # the latest save's StorageMeta.save_id
         self.last_stats: SaveStats | None = None
         self.last_failed_stats: SaveStats | None = None
@@ -186,6 +188,7 @@ class DataStatesWriter(StorageWriter, AsyncStager, StockWriterAttributes):
             "single_file_per_rank": self.single_file_per_rank,
             "per_thread_copy_ahead": self.per_thread_copy_ahead,
             "cache_staged_state_dict": self.cache_staged_state_dict,
+            "_transforms": self._transforms,
             "last_stats": None,
             "last_failed_stats": None,
             "save_id": None,
@@ -442,7 +445,11 @@ class DataStatesWriter(StorageWriter, AsyncStager, StockWriterAttributes):
         if save.stats is not None:
             save.stats.flush_started_s = time.monotonic() - save.started
         result = self._runtime.start_flush(
-            session, storage=save.storage, items=plan.items, prefix=plan.storage_data
+            session,
+            storage=save.storage,
+            items=plan.items,
+            prefix=plan.storage_data,
+            transforms=self._transforms,
         )
         result.add_done_callback(lambda f: _records.flushed(self, self._runtime, save, f))
         return RelayFuture(result)  # DCP waits on a torch future (dcp_future.py says how)
