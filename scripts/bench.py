@@ -9,8 +9,8 @@ Scenarios: limits (disk, memory), save, load, train (with the timeline PNG), for
 loop with an EMA hook: what protecting forward-updated buffers costs), cow (what copy-on-write
 costs a training step, and an EMA evaluation right after a save), scaling, ranks (two gloo
 ranks); only when named: objstore (moto S3 on loopback), compress (ZStandard: bytes saved and
-durable time, stock and ours). Every measurement is printed as one JSON line on stdout (and appended to
-OUT/results.jsonl); the summary tables, with ratios against the stock baselines and the targets
+durable time, stock and ours). Every measurement is printed as one JSON line on stdout (and
+appended to OUT/results.jsonl); the summary tables, with ratios against the stock baselines and the targets
 met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to stderr.
 See docs/benchmarks.md for what each figure means.
 """

@@ -274,6 +274,13 @@ def test_compressed_writer(impl: str, mode: str, tmp_path: Path) -> None:
         assert writer.last_stats.bytes_written <= data
 
 
+def test_writer_refuses_what_is_not_a_stream_transform_by_its_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="_extensions=.*dict is not a stream transform"):
+        DataStatesWriter(tmp_path, _extensions=[{"level": 3}])
+    with pytest.raises(ValueError, match="expected a list of stream transforms"):
+        DataStatesWriter(tmp_path, _extensions="zstd")
+
+
 def _raw_bytes(state: dict[str, Any]) -> list[int]:
     return [v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor)]
 

@@ -14,8 +14,9 @@ are bytes). ``trusted=True`` lifts all of this.
 The constructor takes stock ``FileSystemReader``'s arguments, ``path`` and
 ``_extension_registry``, by name and position: records written through stream transforms
 (``_extensions=[ZStandard()]``, by stock ``FileSystemWriter`` or ours) are decoded through that
-registry, as stock does; ours are checked against their crc32c (over the stored bytes) first. ``read_metadata(rank=R)`` reads ``__R.metadata`` (a save with
-``use_collectives=False``), which ``dcp.load`` asks for when ``.metadata`` is missing."""
+registry, as stock does; ours are checked against their crc32c (over the stored bytes) first.
+``read_metadata(rank=R)`` reads ``__R.metadata`` (a save with ``use_collectives=False``), which
+``dcp.load`` asks for when ``.metadata`` is missing."""
 
 from __future__ import annotations
 
