@@ -10,8 +10,9 @@ loop with an EMA hook: what protecting forward-updated buffers costs), cow (what
 costs a training step, and an EMA evaluation right after a save), scaling, ranks (two gloo
 ranks); only when named: objstore (moto S3 on loopback), compress (ZStandard: bytes saved and
 durable time, stock and ours). Every measurement is printed as one JSON line on stdout (and
-appended to OUT/results.jsonl); the summary tables, with ratios against the stock baselines and the targets
-met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to stderr.
+appended to OUT/results.jsonl); the summary tables, with ratios against the stock baselines and
+the targets met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to
+stderr.
 See docs/benchmarks.md for what each figure means.
 """
 
