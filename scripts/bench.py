@@ -8,9 +8,12 @@
 Scenarios: limits (disk, memory), save, load, train (with the timeline PNG), forward (a BatchNorm
 loop with an EMA hook: what protecting forward-updated buffers costs), cow (what copy-on-write
 costs a training step, and an EMA evaluation right after a save), scaling, ranks (two gloo
-ranks). Every measurement is printed as one JSON line on stdout (and appended to
-OUT/results.jsonl); the summary tables, with ratios against the stock baselines and the targets
-met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to stderr.
+ranks); only when named: objstore (moto S3 on loopback), restart (resume from memory, disk, S3),
+replication (peer replication's step cost), simulate (planning of jobs up to 4,096 ranks),
+compress (ZStandard: bytes saved and durable time, stock and ours). Every measurement is printed as one JSON line on stdout (and
+appended to OUT/results.jsonl); the summary tables, with ratios against the stock baselines and
+the targets met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to
+stderr.
 See docs/benchmarks.md for what each figure means.
 """
 
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_lib import (
+    compress,
     cow,
     forward,
     limits,
@@ -45,10 +49,10 @@ from bench_lib import (
 from bench_lib.common import GB, Recorder, log
 
 SCENARIOS = ["limits", "save", "load", "train", "forward", "cow", "scaling", "ranks"]
-#: Run only when named (not in "all"): objstore and restart need the s3 extra and moto;
-#: replication, the training-step cost of peer replication, wants spare cores to mean anything;
-#: simulate plans simulated jobs of up to 4,096 ranks (minutes, GBs of memory).
-EXTRA_SCENARIOS = ["objstore", "restart", "replication", "simulate"]
+#: Run only when named (not in "all"): objstore and restart need the s3 extra and moto, compress
+#: zstandard; replication, the training-step cost of peer replication, wants spare cores to mean
+#: anything; simulate plans simulated jobs of up to 4,096 ranks (minutes, GBs of memory).
+EXTRA_SCENARIOS = ["objstore", "restart", "replication", "simulate", "compress"]
 
 #: Defaults of the full run and of --quick; an option given on the command line wins over both.
 FULL: dict[str, Any] = {
@@ -87,6 +91,7 @@ FULL: dict[str, Any] = {
     "restart_gb": 2.0,
     "ranks_worlds": "2,4",
     "replication_gb": 0.4,
+    "compress_params": 50_000_000,  # 0.7 GB: 14 bytes a parameter
 }
 QUICK: dict[str, Any] = {
     **FULL,
@@ -125,6 +130,7 @@ QUICK: dict[str, Any] = {
     "restart_gb": 0.02,
     "ranks_worlds": "2",
     "replication_gb": 0.02,
+    "compress_params": 1_000_000,
 }
 
 
@@ -201,6 +207,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--s3-gb", type=float, help="state size of the objstore scenario, GB")
     g.add_argument("--restart-gb", type=float, help="state size of the restart scenario, GB")
+    g.add_argument("--compress-params", type=int, help="parameters of the compress scenario")
     g.add_argument("--ranks-gb", type=float, help="state size of the ranks save, all ranks")
     g.add_argument("--ranks-worlds", help="comma-separated rank counts of the ranks scenario")
     g.add_argument("--replication-gb", type=float, help="state replicated, all ranks, GB")
@@ -232,6 +239,7 @@ def _scratch_bytes(args: argparse.Namespace, wanted: list[str]) -> int:
         "ranks": args.ranks_gb,
         "objstore": args.s3_gb,
         "restart": args.restart_gb,
+        "compress": args.compress_params * 14 / GB,
     }
     return int(2 * max((sizes.get(s, 0.0) for s in wanted), default=0.0) * GB)
 
@@ -372,6 +380,8 @@ def _run(args: argparse.Namespace) -> int:
                 )
             elif scenario == "simulate":
                 simulate.run(rec, workdir=args.dir, quick=args.quick, png=args.out / "simulate.png")
+            elif scenario == "compress":
+                compress.run(rec, workdir=args.dir, params=args.compress_params, rounds=args.rounds)
             elapsed[scenario] = time.monotonic() - t0
             log(f"{scenario}: {elapsed[scenario]:.1f} s")
     finally:
@@ -385,6 +395,7 @@ def _run(args: argparse.Namespace) -> int:
     text += objstore.table(rec) + restart.table(rec)
     text += replication.table(rec)
     text += sim_plot.table(rec)
+    text += compress.table(rec)
     text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
     text += f"; total {time.monotonic() - started:.0f} s.\n"
     (args.out / "summary.md").write_text(text)

@@ -12,10 +12,11 @@ and object items must pass ``torch.load(weights_only=True)`` (``io.BytesIO`` val
 are bytes). ``trusted=True`` lifts all of this.
 
 The constructor takes stock ``FileSystemReader``'s arguments, ``path`` and
-``_extension_registry``, by name and position: records that stock ``FileSystemWriter`` wrote
-through stream transforms (``_extensions=[ZStandard()]``) are decoded through that registry, as
-stock does. ``read_metadata(rank=R)`` reads ``__R.metadata`` (a save with
-``use_collectives=False``), which ``dcp.load`` asks for when ``.metadata`` is missing."""
+``_extension_registry``, by name and position: records written through stream transforms
+(``_extensions=[ZStandard()]``, by stock ``FileSystemWriter`` or ours) are decoded through that
+registry, as stock does; ours are checked against their crc32c (over the stored bytes) first.
+``read_metadata(rank=R)`` reads ``__R.metadata`` (a save with ``use_collectives=False``), which
+``dcp.load`` asks for when ``.metadata`` is missing."""
 
 from __future__ import annotations
 
@@ -378,8 +379,8 @@ class DataStatesReader(StorageReader):
         return list(records.values()), targets
 
     def _decode(self, record: Record, raw: memoryview) -> bytes:
-        """A record that stock ``FileSystemWriter`` wrote through stream transforms
-        (``_extensions``), decoded as stock ``FileSystemReader`` does."""
+        """A record written through stream transforms (``_extensions``), decoded as stock
+        ``FileSystemReader`` does."""
         where = f"{self.storage.describe(record.name)}: item {record.fqn!r}"
         try:
             extensions = self.extension_registry.from_descriptor_list(record.transforms)
