@@ -17,6 +17,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict_saver as _saver
+from torch.distributed.checkpoint._dedup_save_plans import (  # noqa: F401 - re-exported
+    dedup_save_plans,
+)
 from torch.distributed.checkpoint._extension import (  # noqa: F401 - re-exported
     ExtensionRegistry,
     StreamTransformExtension,
@@ -43,6 +46,10 @@ PRIVATE_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
     }
 )
+
+# dedup_save_plans (re-exported): DCP's dedup of replicated items, which ``DefaultSavePlanner``
+# runs first in its global plan; ``save/global_plan.py`` plans the same way without the rest of
+# that method (its validation is quadratic in the ranks).
 
 # ExtensionRegistry / StreamTransformExtension (re-exported): stock stream transforms
 # (``FileSystemWriter(_extensions=[ZStandard()])``); the reader decodes records that name them

@@ -2,6 +2,7 @@
 
     dcp-datastates inspect PATH [--json]   items, files per rank, format version, commit state
     dcp-datastates verify PATH             check every record's crc32c against the manifest
+    dcp-datastates memory list|clean       this user's memory-tier segments (``cli_memory``)
 
 A checkpoint saved with ``use_collectives=False`` has one commit record per rank
 (``__{rank}.metadata``): both commands go through each (``--rank R`` picks one). Both name
@@ -32,6 +33,7 @@ from crc32c import crc32c
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from tqdm import tqdm
 
+from . import cli_memory
 from .errors import ChecksumMismatchError, DataStatesError
 from .format import (
     DATA_SUFFIX,
@@ -373,6 +375,7 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--json", action="store_true", help="print JSON instead of text")
         else:
             cmd.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    cli_memory.add_parser(sub)
     return parser
 
 
@@ -441,6 +444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "memory":
+        return cli_memory.run(args)
     handler = _inspect if args.command == "inspect" else _verify
     try:
         return _each_commit(handler, args)

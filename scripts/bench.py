@@ -8,9 +8,12 @@
 Scenarios: limits (disk, memory), save, load, train (with the timeline PNG), forward (a BatchNorm
 loop with an EMA hook: what protecting forward-updated buffers costs), cow (what copy-on-write
 costs a training step, and an EMA evaluation right after a save), scaling, ranks (two gloo
-ranks). Every measurement is printed as one JSON line on stdout (and appended to
-OUT/results.jsonl); the summary tables, with ratios against the stock baselines and the targets
-met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to stderr.
+ranks); only when named: objstore (moto S3 on loopback), restart (resume from memory, disk, S3),
+replication (peer replication's step cost), simulate (planning of jobs up to 4,096 ranks),
+compress (ZStandard: bytes saved and durable time, stock and ours). Every measurement is printed as one JSON line on stdout (and
+appended to OUT/results.jsonl); the summary tables, with ratios against the stock baselines and
+the targets met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to
+stderr.
 See docs/benchmarks.md for what each figure means.
 """
 
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_lib import (
+    compress,
     cow,
     forward,
     limits,
@@ -32,9 +36,13 @@ from bench_lib import (
     lora,
     objstore,
     ranks,
+    replication,
     report,
+    restart,
     save,
     scaling,
+    sim_plot,
+    simulate,
     systems,
     timeline,
     train,
@@ -42,8 +50,11 @@ from bench_lib import (
 from bench_lib.common import GB, Recorder, log
 
 SCENARIOS = ["limits", "save", "load", "train", "forward", "cow", "scaling", "ranks"]
-#: Run only when named (not in "all"): they need the s3 extra and moto.
-EXTRA_SCENARIOS = ["objstore", "lora"]
+#: Run only when named (not in "all"): objstore and restart need the s3 extra and moto, compress
+#: zstandard; replication, the training-step cost of peer replication, wants spare cores to mean
+#: anything; simulate plans simulated jobs of up to 4,096 ranks (minutes, GBs of memory); lora
+#: saves a 1 GB frozen base five times per system.
+EXTRA_SCENARIOS = ["objstore", "restart", "replication", "simulate", "compress", "lora"]
 
 #: Defaults of the full run and of --quick; an option given on the command line wins over both.
 FULL: dict[str, Any] = {
@@ -52,7 +63,6 @@ FULL: dict[str, Any] = {
     "limit_gb": 1.0,
     "load_gb": 2.0,
     "load_objects": 6000,
-    "writers": 4,
     "saves": 4,
     "limits_rounds": 2,
     "rounds": 2,
@@ -80,8 +90,11 @@ FULL: dict[str, Any] = {
     "scale_repeat_s": 4.0,
     "ranks_gb": 1.0,
     "s3_gb": 0.5,
+    "restart_gb": 2.0,
     "lora_gb": 1.0,
     "ranks_worlds": "2,4",
+    "replication_gb": 0.4,
+    "compress_params": 50_000_000,  # 0.7 GB: 14 bytes a parameter
 }
 QUICK: dict[str, Any] = {
     **FULL,
@@ -117,8 +130,11 @@ QUICK: dict[str, Any] = {
     "scale_repeat_s": 60.0,
     "ranks_gb": 0.01,
     "s3_gb": 0.02,
+    "restart_gb": 0.02,
     "lora_gb": 0.02,
     "ranks_worlds": "2",
+    "replication_gb": 0.02,
+    "compress_params": 1_000_000,
 }
 
 
@@ -161,7 +177,6 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--load-objects", type=int, help="small objects of the load scenario's object state"
     )
-    g.add_argument("--writers", type=int, help="parallel writers of the write+fsync limit")
     g.add_argument(
         "--saves", type=int, help="saves per save-worker process (all but the first reported)"
     )
@@ -195,9 +210,12 @@ def _parser() -> argparse.ArgumentParser:
         "this many seconds (it always saves once)",
     )
     g.add_argument("--s3-gb", type=float, help="state size of the objstore scenario, GB")
+    g.add_argument("--restart-gb", type=float, help="state size of the restart scenario, GB")
+    g.add_argument("--compress-params", type=int, help="parameters of the compress scenario")
     g.add_argument("--lora-gb", type=float, help="frozen base of the lora scenario, GB")
     g.add_argument("--ranks-gb", type=float, help="state size of the ranks save, all ranks")
     g.add_argument("--ranks-worlds", help="comma-separated rank counts of the ranks scenario")
+    g.add_argument("--replication-gb", type=float, help="state replicated, all ranks, GB")
     return p
 
 
@@ -225,6 +243,8 @@ def _scratch_bytes(args: argparse.Namespace, wanted: list[str]) -> int:
         "scaling": max(float(x) for x in args.scale_sizes.split(",")),
         "ranks": args.ranks_gb,
         "objstore": args.s3_gb,
+        "restart": args.restart_gb,
+        "compress": args.compress_params * 14 / GB,
         "lora": 6 * args.lora_gb,
     }
     return int(2 * max((sizes.get(s, 0.0) for s in wanted), default=0.0) * GB)
@@ -262,7 +282,6 @@ def _run(args: argparse.Namespace) -> int:
                     rec,
                     workdir=args.dir,
                     nbytes=int(args.limit_gb * GB),
-                    writers=args.writers,
                     rounds=args.limits_rounds,
                     cold=cold,
                 )
@@ -274,7 +293,6 @@ def _run(args: argparse.Namespace) -> int:
                     tensors=args.tensors,
                     rounds=args.rounds,
                     saves=args.saves,
-                    writers=args.writers,
                     isolate=args.isolate,
                     keys=args.systems,
                 )
@@ -338,6 +356,17 @@ def _run(args: argparse.Namespace) -> int:
                     timeout=120 if args.quick else 600,
                     worlds=tuple(int(x) for x in args.ranks_worlds.split(",")),
                 )
+            elif scenario == "replication":
+                replication.run(
+                    rec,
+                    workdir=args.dir,
+                    nbytes=int(args.replication_gb * GB),
+                    world=2,
+                    rounds=args.rounds + 1,
+                    steps=args.train_steps,
+                    width=args.train_width,
+                    timeout=120 if args.quick else 600,
+                )
             elif scenario == "objstore":
                 objstore.run(
                     rec,
@@ -346,6 +375,19 @@ def _run(args: argparse.Namespace) -> int:
                     tensors=args.tensors,
                     rounds=args.rounds,
                 )
+            elif scenario == "restart":
+                restart.run(
+                    rec,
+                    workdir=args.dir,
+                    nbytes=int(args.restart_gb * GB),
+                    tensors=args.tensors,
+                    rounds=args.rounds,
+                    cold=args.drop_caches == "yes",
+                )
+            elif scenario == "simulate":
+                simulate.run(rec, workdir=args.dir, quick=args.quick, png=args.out / "simulate.png")
+            elif scenario == "compress":
+                compress.run(rec, workdir=args.dir, params=args.compress_params, rounds=args.rounds)
             elif scenario == "lora":
                 lora.run(rec, workdir=args.dir, nbytes=int(args.lora_gb * GB))
             elapsed[scenario] = time.monotonic() - t0
@@ -358,7 +400,11 @@ def _run(args: argparse.Namespace) -> int:
         png = timeline.plot(runs, args.png or args.out / "timeline.png")
         rec.note(f"timeline picture: {png}")
     text = report.summary(rec)
-    text += objstore.table(rec) + lora.table(rec)
+    text += objstore.table(rec) + restart.table(rec)
+    text += replication.table(rec)
+    text += sim_plot.table(rec)
+    text += compress.table(rec)
+    text += lora.table(rec)
     text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
     text += f"; total {time.monotonic() - started:.0f} s.\n"
     (args.out / "summary.md").write_text(text)
@@ -377,9 +423,10 @@ def main(argv: list[str]) -> int:
         a = p.parse_args(argv[1:])
         save.worker(a.systems.split(","), a.bytes, a.tensors, a.saves, a.dir)
         return 0
-    if argv and argv[0] == "_rank-worker":  # internal: one rank of the ranks scenario
+    if argv and argv[0] in ("_rank-worker", "_replication-worker"):  # internal: one rank
         rank, world, port, workdir, args = argv[1:6]
-        ranks.worker(int(rank), int(world), int(port), Path(workdir), json.loads(args))
+        run = ranks.worker if argv[0] == "_rank-worker" else replication.worker
+        run(int(rank), int(world), int(port), Path(workdir), json.loads(args))
         return 1  # not reached: the worker leaves through os._exit
     return _run(_parser().parse_args(argv))
 

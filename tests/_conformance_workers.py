@@ -125,6 +125,13 @@ def _run(impl: str, rank: int, world_size: int, workdir: Path) -> dict[str, Any]
     report["sync"] = _load_both(mesh, path, 1)
     report["sync_resharded"] = _load_both(mesh, path, 1, shard_dim=1)
 
+    # Compressed (ZStandard, a stream transform: the test extra has zstandard); loaded resharded.
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    path = workdir / "zstd"
+    dcp.save(_state(mesh, 3), storage_writer=writer_for(impl, path, _extensions=[ZStandard()]))
+    report["zstd_resharded"] = _load_both(mesh, path, 3, shard_dim=1)
+
     # dcp.async_save; the state changes in place as soon as the save is staged.
     path = workdir / "async"
     state = _state(mesh, 2)

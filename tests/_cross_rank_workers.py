@@ -38,6 +38,10 @@
                      one of this rank's own) that replay the first save's layout; one save
                      gives a tensor another shape of the same bytes. Each rank reports its
                      replays, which saves reused the write items, and what loaded back wrong.
+    plan-cache       one writer per rank, dcp_datastates.async_save four times with one
+                     layout, then once with rank 1's own tensor in another shape: the coordinator's
+                     global plans made and served from the writer's cache, and what loaded
+                     back wrong (through stock dcp.load).
 """
 
 from __future__ import annotations
@@ -571,6 +575,47 @@ def _replayed(rank: int, world_size: int, port: int, workdir: Path) -> dict[str,
     return report
 
 
+def _plan_cache(rank: int, world_size: int, port: int, workdir: Path) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter, async_save
+
+    _init(rank, world_size, port)
+    writer = DataStatesWriter(workdir / "w")
+    report: dict[str, Any] = {"made": [], "served": [], "differs": []}
+    weight = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
+    mine = torch.full((32, 32), float(rank))
+    try:
+        for i in range(5):
+            own = mine.view(16, 64) if i == 4 and rank == 1 else mine  # rank 1's plan changes
+            state = {"w": weight, f"rank{rank}": own, "step": i}
+            expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+            path = str(workdir / f"save{i}")
+            async_save(state, writer, checkpoint_id=path).upload_completion.result(
+                timeout=FUTURE_TIMEOUT_S
+            )
+            report["made"].append(writer._global_plans.made)
+            report["served"].append(writer._global_plans.served)
+            with torch.no_grad():
+                weight.add_(1)
+                mine.add_(1)
+            target = {k: torch.zeros_like(v) for k, v in expected.items()}
+            target["step"] = -1
+            dcp.load(target, checkpoint_id=path)  # stock's reader
+            report["differs"] += [
+                f"save{i}:{k}" for k, v in expected.items() if not torch.equal(target[k], v)
+            ]
+            if target["step"] != i:
+                report["differs"].append(f"save{i}:step")
+            dist.barrier()
+    finally:
+        writer.close()
+        dist.destroy_process_group()
+    return report
+
+
 def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Path) -> dict:
     if scenario.startswith("errors-"):
         return _errors(scenario[7:], rank, world_size, port, workdir)
@@ -590,6 +635,8 @@ def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Pat
         return _process_dtensor(rank, world_size, port, workdir)
     if scenario == "replayed":
         return _replayed(rank, world_size, port, workdir)
+    if scenario == "plan-cache":
+        return _plan_cache(rank, world_size, port, workdir)
     raise ValueError(f"unknown scenario {scenario!r}")
 
 

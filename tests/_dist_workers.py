@@ -367,9 +367,12 @@ def _scenario_process(rank: int, world_size: int, port: int, workdir: Path) -> d
             state = full_values()
             path = workdir / mode
             kind = AsyncCheckpointerType.PROCESS
-            if mode == "dcp_async":
+            if mode == "dcp_async":  # compressed: the daemon's writer gets the transforms
+                from torch.distributed.checkpoint._extension import ZStandard
+
+                writer = DataStatesWriter(path, _extensions=[ZStandard()])
                 response = dcp.async_save(
-                    state, storage_writer=DataStatesWriter(path), async_checkpointer_type=kind
+                    state, storage_writer=writer, async_checkpointer_type=kind
                 )
             else:
                 response = async_save(state, path, async_checkpointer_type=kind)

@@ -4,9 +4,9 @@ Every test is parametrized by ``impl``: ``stock`` runs it with ``FileSystemWrite
 ``FileSystemReader``, ``ours`` with ``DataStatesWriter`` / ``DataStatesReader`` built from the
 very same arguments (a drop-in is a class-name change). Checkpoints are loaded with both readers
 and compared with what was saved: sync and async saves, objects and ``io.BytesIO`` values,
-overwrite, compression, incremental saves, storage ids, custom planners, plan caching, legacy
-metadata types, and (on two gloo ranks, ``_conformance_workers.py``) sharded and replicated
-DTensors, resharding,
+overwrite, compression and user stream transforms, incremental saves, storage ids, custom
+planners, plan caching, legacy metadata types, and (on two gloo ranks,
+``_conformance_workers.py``) sharded and replicated DTensors, resharding, compressed checkpoints,
 repeated cached-plan async saves and ``use_collectives=False``.
 """
 
@@ -181,13 +181,21 @@ def test_roundtrip_with_stock_arguments(impl: str, mode: str, tmp_path: Path) ->
 
 
 def test_overwrite(impl: str, tmp_path: Path) -> None:
+    """PyTorch's own ``test_overwrite`` (test_fsspec.py, test_e2e_save_and_load.py), on CPU:
+    a refused save raises what stock raises, with stock's words (code matches on them)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     path = tmp_path / "ckpt"
-    dcp.save(_state(1), storage_writer=writer_for(impl, path))
+    dcp.save(_state(1), storage_writer=writer_for(impl, path, overwrite=False))
     dcp.save(_state(2), storage_writer=writer_for(impl, path, overwrite=True))
     _check_loads(path, _state(2))
-    with pytest.raises(BaseException) as info:  # DCP's CheckpointException is a BaseException
+    with pytest.raises(CheckpointException, match=".*Checkpoint already exists.*") as info:
         dcp.save(_state(3), storage_writer=writer_for(impl, path, overwrite=False))
-    assert "overwrite" in str(info.value)
+    ((error, _),) = info.value.failures.values()  # (exception, traceback) per rank
+    assert type(error) is RuntimeError
+    assert "Checkpoint already exists and self.overwrite=False." in str(error)
+    if impl == "ours":  # and ours says where, and what to do
+        assert f"{path / '.metadata'} exists" in str(error) and "overwrite=True" in str(error)
     _check_loads(path, _state(2))
 
 
@@ -236,18 +244,122 @@ def test_compressed_stock_checkpoint_loads(impl: str, tmp_path: Path) -> None:
     assert _differs(_load(impl, path), _state(4)) == []
 
 
-def test_compressed_writer(impl: str, tmp_path: Path) -> None:
-    """Stock writes ZStandard records; ours refuses ``_extensions`` at construction, naming it."""
+def _descriptors(path: Path) -> set[tuple[str, ...] | None]:
+    with open(path / ".metadata", "rb") as f:
+        infos = pickle.load(f).storage_data.values()
+    return {
+        None if i.transform_descriptors is None else tuple(i.transform_descriptors) for i in infos
+    }
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_compressed_writer(impl: str, mode: str, tmp_path: Path) -> None:
+    """``_extensions=[ZStandard()]``: every record compressed, its descriptor in ``.metadata``
+    as stock writes it, and the checkpoint read by both readers (stock's with its registry)."""
     pytest.importorskip("zstandard")
     from torch.distributed.checkpoint._extension import ZStandard
 
     path = tmp_path / "ckpt"
-    if impl == "ours":
-        with pytest.raises(ValueError, match="_extensions=\\[ZStandard\\]"):
-            DataStatesWriter(path, _extensions=[ZStandard()])
-        return
-    dcp.save(_state(5), storage_writer=writer_for(impl, path, _extensions=[ZStandard()]))
+    writer = writer_for(impl, path, _extensions=[ZStandard()])
+    if mode == "sync":
+        dcp.save(_state(5), storage_writer=writer)
+    else:
+        dcp.async_save(_state(5), storage_writer=writer).result(timeout=30)
+    assert _descriptors(path) == {("stream.zstd/1",)}
     _check_loads(path, _state(5))
+    if impl == "ours":
+        writer.close()
+        data = sum(f.stat().st_size for f in path.glob("*.distcp"))
+        assert data < 0.95 * sum(_raw_bytes(_state(5))), data  # the zeros and ints shrink
+        assert writer.last_stats.bytes_written <= data
+
+
+def test_writer_refuses_what_is_not_a_stream_transform_by_its_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="_extensions=.*dict is not a stream transform"):
+        DataStatesWriter(tmp_path, _extensions=[{"level": 3}])
+    with pytest.raises(ValueError, match="expected a list of stream transforms"):
+        DataStatesWriter(tmp_path, _extensions="zstd")
+
+
+def _raw_bytes(state: dict[str, Any]) -> list[int]:
+    return [v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def test_user_stream_transform_round_trips(impl: str, tmp_path: Path) -> None:
+    """A user's ``StreamTransformExtension`` (PyTorch's test Rot13, two chained): what stock's
+    reader decodes with the user's registry, and ours too."""
+    from torch.testing._internal.distributed.checkpoint_utils import (
+        Rot13Example,
+        get_test_extension_registry,
+    )
+
+    path = tmp_path / "ckpt"
+    state = {k: v for k, v in _state(7).items() if k != "big"}  # rot13 is a Python loop
+    writer = writer_for(impl, path, _extensions=[Rot13Example(), Rot13Example()])
+    dcp.save(state, storage_writer=writer)
+    assert _descriptors(path) == {("stream.rot13/1", "stream.rot13/1")}
+    for reader in (dcp.FileSystemReader, DataStatesReader):
+        target = {k: v for k, v in _blank().items() if k != "big"}
+        dcp.load(
+            target, storage_reader=reader(path, _extension_registry=get_test_extension_registry())
+        )
+        assert _differs(target, state) == [], reader
+    if impl == "ours":
+        writer.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_compressed_save_streams_through_a_pool_smaller_than_one_tensor(
+    mode: str, tmp_path: Path
+) -> None:
+    """Each pool piece goes back once the transforms took it: a 16 MiB tensor is compressed
+    through a 2 MiB pool (were a record's pieces held to its end, the snapshot would wait for
+    space forever), and read back by both readers."""
+    pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    g = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(4 << 20, generator=g), "step": 7}
+    path = tmp_path / "ckpt"
+    pool = {"host_pool_bytes": 2 << 20, "chunk_bytes": 256 << 10, "coalesce_bytes": 64 << 10}
+    writer = DataStatesWriter(path, _extensions=[ZStandard()], **pool)
+    try:
+        if mode == "sync":
+            dcp.save(state, storage_writer=writer)
+        else:
+            dcp.async_save(state, storage_writer=writer).result(timeout=60)
+        assert writer.last_stats.pool_peak_bytes <= 2 << 20
+    finally:
+        writer.close()
+    for reader in READERS:
+        target = {"w": torch.zeros(4 << 20), "step": 0}
+        dcp.load(target, storage_reader=reader_for(reader, path))
+        assert torch.equal(target["w"], state["w"]) and target["step"] == 7, reader
+
+
+def test_a_damaged_compressed_record_is_caught(tmp_path: Path) -> None:
+    """The crc32c of a compressed record covers its stored bytes: a flipped byte is caught by our
+    reader and by ``verify`` before anything is decoded."""
+    pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    from dcp_datastates.cli import EXIT_OK, main
+
+    path = tmp_path / "ckpt"
+    writer = DataStatesWriter(path, _extensions=[ZStandard()])
+    dcp.save(_state(8), storage_writer=writer)
+    writer.close()
+    assert main(["verify", "--quiet", str(path)]) == EXIT_OK
+    with open(path / ".metadata", "rb") as f:
+        info = next(i for idx, i in pickle.load(f).storage_data.items() if idx.fqn == "big")
+    with open(path / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)
+        f.seek(-1, io.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    assert main(["verify", "--quiet", str(path)]) != EXIT_OK
+    with pytest.raises(BaseException, match="'big' has crc32c .* the checkpoint is damaged"):
+        dcp.load(_blank(), storage_reader=DataStatesReader(path))
 
 
 # -- incremental saves ----------------------------------------------------------------------------

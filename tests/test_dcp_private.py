@@ -64,6 +64,7 @@ def test_the_private_names_still_resolve_in_this_torch() -> None:
     from torch.distributed.checkpoint.planner import SavePlanner
 
     assert isinstance(SavePlanner._cached_all_plans, dict)  # plan_caching_in_use() reads it
+    assert callable(_dcp_private.dedup_save_plans)  # save/global_plan.py plans with it
 
 
 def test_the_probe_recognises_dcp_async_save_and_its_arguments(tmp_path: Path) -> None:

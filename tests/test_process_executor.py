@@ -45,6 +45,10 @@ def test_process_executor_save_holds_values_at_call_time(
     process_checkpoints: Path, entry_point: str, reader: str
 ) -> None:
     path = process_checkpoints / entry_point
+    with open(path / ".metadata", "rb") as f:  # dcp.async_save's writer compresses (ZStandard)
+        infos = pickle.load(f).storage_data.values()
+    compressed = ["stream.zstd/1"] if entry_point == "dcp_async" else None
+    assert all(i.transform_descriptors == compressed for i in infos)
     target = empty_like_values(full_values())
     if reader == "stock":
         dcp.load(target, checkpoint_id=path, no_dist=True)

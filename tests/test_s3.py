@@ -79,6 +79,36 @@ def test_checkpoint_round_trips_and_stock_fsspec_reader_loads_it(s3: S3Env) -> N
     assert s3.open_uploads() == []
 
 
+def test_spread_prefixes_put_each_ranks_objects_under_a_hashed_prefix_stock_reads(
+    s3: S3Env,
+) -> None:
+    """With ``spread_prefixes`` the data objects sit under sub-prefixes (for stores that
+    throttle per prefix); ``.metadata`` names them, so stock ``FsspecReader`` loads the
+    checkpoint as ours does."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    from dcp_datastates.storage.s3 import S3Storage
+
+    sd = _state(seed=5, mib=2)
+    writer = DataStatesWriter(
+        s3.url("spread"), storage_options=s3.options(part_bytes=PART, spread_prefixes=16)
+    )
+    try:
+        dcp.save(sd, storage_writer=writer)
+    finally:
+        writer.close()
+    data = [k for k in s3.list_keys("spread/") if k.endswith(".distcp")]
+    hashed = S3Storage(s3.url("x"), s3.options(spread_prefixes=16)).data_dir(0)
+    assert data and all(k.split("/")[-2] == hashed.rstrip("/") for k in data), data
+    assert len(hashed) == 2  # one hex digit and the slash for 16 prefixes
+    _assert_same(_load(s3, s3.url("spread"), sd), sd)
+    stock = _empty_like(sd)
+    dcp.load(stock, storage_reader=FsspecReader(s3.url("spread"), endpoint_url=s3.endpoint))
+    _assert_same(stock, sd)
+    with pytest.raises(ValueError, match="spread_prefixes"):
+        S3Storage(s3.url("x"), s3.options(spread_prefixes=-1))
+
+
 def test_our_reader_loads_what_stock_fsspec_writer_wrote(s3: S3Env) -> None:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 

@@ -39,4 +39,12 @@ def test_objstore_scenario_compares_stock_and_ours_and_times_the_tiered_save(
     tiered = by_system["ours tiered local+s3"]
     assert tiered["blocked_s"] <= tiered["local_durable_s"] <= tiered["remote_committed_s"]
     assert "### Object store" in proc.stdout
+    # The settings the save times depend on ride on each save record and under the table.
+    saves = {r["system"]: r for r in records if "settings" in r}
+    assert set(saves) == {"stock FsspecWriter", "ours DataStatesWriter"}
+    ours = saves["ours DataStatesWriter"]["settings"]
+    stock = saves["stock FsspecWriter"]["settings"]
+    assert ours["part_bytes"] == 16 << 20 and ours["parts_in_flight"] == 2
+    assert stock["objects"] == 1 and 1 <= ours["objects"] <= ours["at_once"] == 4
+    assert "- ours DataStatesWriter: " in proc.stdout and "MiB parts" in proc.stdout
     assert not any(p.is_file() for p in (tmp_path / "d").rglob("*")), "scratch files left"

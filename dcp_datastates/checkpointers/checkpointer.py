@@ -42,9 +42,8 @@ import signal
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from .._concurrency import signals as _signals
@@ -58,21 +57,17 @@ from ..save.compat import STOCK_WRITER_ARGS
 from ..save.writer import DataStatesWriter
 from ..storage.base import LocalStorage
 from . import resume, steps
+from .memflush import Flusher
+from .memory import MemoryTier
+from .memtier import MemorySide
 from .options import ABORT_EXIT_CODE, CheckpointerOptions
+from .preemption import Agreed, Preemption, agree
 from .steps import step_dir_name
 from .summary import summary_line
 
 __all__ = ["ABORT_EXIT_CODE", "Checkpointer", "step_dir_name"]
 
 logger = logging.getLogger(__name__)
-
-
-class _Agreed(NamedTuple):
-    """What the ranks agreed at one call (:meth:`Checkpointer._agree`)."""
-
-    preempted: bool  # some rank saw a preemption
-    failed: list[int]  # the ranks holding an earlier save's error
-    replacing: bool  # rank 0 found the step to save committed already
 
 
 class Checkpointer:
@@ -96,11 +91,18 @@ class Checkpointer:
             is True.
         writer: A :class:`DataStatesWriter` to reuse (default: one made here, closed by
             :meth:`close`); ``writer_options`` go to the one made here.
+        memory: A :class:`~dcp_datastates.checkpointers.memory.MemoryTier`: each save is
+            committed in host memory that outlives the process first, then flushed to
+            ``root`` in the background (``memtier.py``); a restart loads the newest step
+            committed in either, memory first. ``latest`` names the newest durable step.
 
     The options of its own are checked as :class:`CheckpointerOptions` (a bad one raises
     ``ValueError`` naming it). :attr:`last_summary` is one line about the newest committed
     save on this rank, also logged at INFO.
     """
+
+    #: The memory tier's flush to ``root`` (a test's subclass blocks it).
+    flusher_class: type[Flusher] = Flusher
 
     def __init__(
         self,
@@ -115,6 +117,7 @@ class Checkpointer:
         preemption_exit_code: int = 0,
         abort_exit_code: int = ABORT_EXIT_CODE,
         writer: DataStatesWriter | None = None,
+        memory: MemoryTier | None = None,
         **writer_options: Any,
     ) -> None:
         self.options = CheckpointerOptions(
@@ -159,9 +162,12 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._committed_step: int | None = None
         self.last_summary: str | None = None
-        self._requested = threading.Event()
-        self._finished = threading.Event()  # the final checkpoint is committed (or not needed)
-        self._watchdog: threading.Thread | None = None
+        #: Bytes this node's memory tier held after the newest save (None without one).
+        self.memory_bytes: int | None = None
+        self._preemption = Preemption(
+            preemption_deadline_s, abort_exit_code, os.path.join(self.root, LATEST_NAME)
+        )
+        self._requested, self._finished = self._preemption.requested, self._preemption.finished
         self.preempted = False
         signals = tuple(preemption_signals)
         if signals and threading.current_thread() is not threading.main_thread():
@@ -172,6 +178,10 @@ class Checkpointer:
             )
             signals = ()
         self._signals = signals
+        self._memory: MemorySide | None = None
+        if memory is not None:
+            hooks = (self._on_durable, self._store_error, self.flusher_class)
+            self._memory = MemorySide.open(memory, self.root, self._ranks(), *hooks)
         for signum in signals:
             _signals.subscribe(signum, self)  # with any other checkpointer listening
 
@@ -232,7 +242,9 @@ class Checkpointer:
         names) is saved beside it and swapped in once committed (``steps.py``)."""
         self._wait_in_flight()
         replacing = False
-        if self._rank() == 0 and step != self._committed_step:
+        if self._memory is not None:
+            self._memory.before_save()  # bounds what memory holds; may wait for a flush
+        elif self._rank() == 0 and step != self._committed_step:
             steps.settle(self.root)  # what a crash left of a replacement; none is in flight
             replacing = steps.is_committed(steps.path(self.root, step))
         agreed = self._agree(vote_preemption=False, replacing=replacing)
@@ -240,8 +252,10 @@ class Checkpointer:
         if step == self._committed_step:
             return False  # already committed from this state: nothing to save
         path = steps.path(self.root, step) + (steps.REPLACING if agreed.replacing else "")
-        if self.writer.options.incremental:
+        if self.writer.options.incremental and self._memory is None:
             self._seed_incremental()
+        if self._memory is not None:
+            path = self._memory.step_path(step)  # the flush to root replaces a committed one
         response = async_save(app_state, self.writer, checkpoint_id=path, **self._save_kwargs())
         done = threading.Event()
         with self._lock:
@@ -255,7 +269,9 @@ class Checkpointer:
         """Runs on DCP's save thread once the save is committed (or failed) on this rank."""
         exc = fut.exception()
         committed = exc is None
-        if exc is None:
+        if exc is None and self._memory is not None:
+            self._memory.flush(step)  # committed in memory: `latest` moves once it is durable
+        elif exc is None:
             try:
                 if self._rank() == 0:
                     committed = False
@@ -285,12 +301,26 @@ class Checkpointer:
         if stats is None or os.path.normpath(stats.checkpoint_id) != os.path.normpath(path):
             return  # a writer shared with other saves has moved on
         self.last_summary = summary_line(step, stats)
+        if self._memory is not None:
+            self.memory_bytes = self._memory.bytes_held()
+            self.last_summary += f", {self.memory_bytes / 1e6:.1f} MB held in memory on this node"
         logger.info("%s", self.last_summary)
+
+    def _on_durable(self, step: int) -> None:
+        """Rank 0, on the flush thread: ``step`` is committed in ``root`` (from memory)."""
+        LocalStorage(self.root).put_atomic(LATEST_NAME, f"{step}\n".encode(), sync=True)
+        self._purge(step)
+
+    def _store_error(self, exc: BaseException) -> None:
+        with self._lock:
+            self._error = self._error or exc
 
     def wait(self) -> None:
         """Wait for the save in flight (committed and ``latest`` moved); raise this rank's error
         of an earlier save once."""
         self._wait_in_flight()
+        if self._memory is not None:
+            self._memory.flusher.wait()  # and durable in root
         self._raise_pending_error()
 
     def _wait_in_flight(self) -> None:
@@ -347,11 +377,7 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The step ``latest`` names on this rank's view of ``root``, or None."""
-        try:
-            with open(os.path.join(self.root, LATEST_NAME)) as f:
-                return int(f.read().strip())
-        except FileNotFoundError:
-            return None
+        return steps.read_latest(self.root)
 
     def load_latest(self, app_state: dict[str, Any], **reader_options: Any) -> int | None:
         """Load the newest checkpoint that loads into ``app_state``; returns its step, or None
@@ -362,16 +388,13 @@ class Checkpointer:
         the same step (rank 0 picks the order; they agree on each try). If none loads, raises
         :class:`~dcp_datastates.CheckpointLoadError` listing each step tried and why."""
         self._wait_in_flight()  # DCP's collectives of a save and a load must not interleave
-        order: list[int] = []
-        if self._rank() == 0:
-            try:
-                latest = self.latest_step()
-            except (OSError, ValueError) as exc:
-                logger.warning("rank 0: %s is unreadable (%s): ignoring it", LATEST_NAME, exc)
-                latest = None
-            older = [s for s in self.committed_steps() if latest is None or s < latest]
-            order = ([] if latest is None else [latest]) + older[::-1]
-        step = resume.load_newest(self.root, order, app_state, reader_options, self._ranks())
+        if self._memory is not None:
+            self._memory.flusher.wait()
+        order = steps.resume_order(self.root) if self._rank() == 0 else []
+        if self._memory is not None:
+            step = self._memory.load_newest(order, app_state, reader_options, self._ranks())
+        else:
+            step = resume.load_newest(self.root, order, app_state, reader_options, self._ranks())
         if step is not None:
             self._committed_step = step
         return step
@@ -392,31 +415,12 @@ class Checkpointer:
     # -- preemption ----------------------------------------------------------------------------
     def request_preemption(self) -> None:
         """What the signal does: save at the next :meth:`maybe_save`, then exit."""
-        if not self._requested.is_set():
-            self._requested.set()
-            self._watchdog = threading.Thread(
-                target=self._watch, name="dcp-datastates-preemption", daemon=True
-            )
-            self._watchdog.start()
+        self._preemption.request()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self._requested.is_set():
-            logger.error("second signal %d during the preemption save: exiting now", signum)
-            os._exit(self.abort_exit_code)
-        logger.warning("signal %d: checkpointing at the next step, then exiting", signum)
-        self.request_preemption()
+        self._preemption.on_signal(signum)
 
-    def _watch(self) -> None:
-        if not self._finished.wait(self.preemption_deadline_s):
-            logger.error(
-                "preemption save not committed within %.1fs: exiting; %s still names the "
-                "previous checkpoint",
-                self.preemption_deadline_s,
-                os.path.join(self.root, LATEST_NAME),
-            )
-            os._exit(self.abort_exit_code)
-
-    def _agree(self, *, vote_preemption: bool = True, replacing: bool = False) -> _Agreed:
+    def _agree(self, *, vote_preemption: bool = True, replacing: bool = False) -> Agreed:
         """One all-reduce on the vote group: whether any rank saw a preemption (acted on by
         all, at the same step), the ranks holding an earlier save's error (raised by all,
         :meth:`_raise_failed`), and whether the step to save is committed already (rank 0's
@@ -424,16 +428,10 @@ class Checkpointer:
         flag = vote_preemption and self._requested.is_set()
         with self._lock:
             failed = self._error is not None
-        if not self._dist():
-            return _Agreed(flag, [0] if failed else [], replacing)
-        group = self._vote_group
-        t = torch.zeros(2 + dist.get_world_size(group), dtype=torch.uint8)
-        t[0], t[1] = int(flag), int(replacing)
-        t[2 + dist.get_rank(group)] = int(failed)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        if t[0] and not flag:
+        agreed = agree(self._vote_group if self._dist() else None, flag, failed, replacing)
+        if agreed.preempted and not flag:
             self.request_preemption()
-        return _Agreed(bool(t[0]), [int(r) for r in t[2:].nonzero().flatten().tolist()], bool(t[1]))
+        return agreed
 
     def _final_save(self, step: int, app_state: dict[str, Any]) -> None:
         logger.warning("preemption: final checkpoint of step %d in %s", step, self.root)
@@ -455,14 +453,19 @@ class Checkpointer:
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the save in flight, restore signal handlers, close an owned writer."""
+        """Wait for the save in flight, restore signal handlers, close an owned writer; remove
+        the memory tier's segment once every step in it is durable."""
+        durable = False
         try:
             self.wait()
+            durable = True
         finally:
             for signum in self._signals:
                 with contextlib.suppress(ValueError):  # not the main thread
                     _signals.unsubscribe(signum, self)
             self._signals = ()
+            if self._memory is not None:
+                self._memory.close(remove=durable)  # else a restart still finds it
             if self._owns_writer:
                 self.writer.close()
 

@@ -75,14 +75,23 @@ def why(exc: BaseException) -> str:
 
 
 def try_step(
-    root: str, step: int, app_state: dict[str, Any], reader_options: dict[str, Any], ranks: Ranks
+    root: str,
+    step: int,
+    app_state: dict[str, Any],
+    reader_options: dict[str, Any],
+    ranks: Ranks,
+    problem: str | None = None,
 ) -> tuple[str | None, BaseException | None]:
     """Load step ``step`` into ``app_state`` on every rank. Returns ``(None, None)`` once every
-    rank loaded it; otherwise why not (the same decision on every rank) and this rank's error."""
-    found = steps.committed_path(root, step)
+    rank loaded it; otherwise why not (the same decision on every rank) and this rank's error.
+    ``problem``: why this rank cannot read it there, found by the caller (the memory tier's
+    completeness check)."""
+    found = steps.committed_path(root, step) if problem is None else None
     missing = ranks.failing(found is None)
     if missing:
         place = steps.path(root, step)
+        if problem is not None:
+            return f"{problem} (rank(s) {missing})", None
         if found is not None:  # the others see it: not one file system for all ranks?
             return f"not committed on rank(s) {missing}; is {root} shared by all ranks?", None
         if not os.path.isdir(place):
@@ -122,6 +131,23 @@ def load_step(
     ) from error
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One place to resume from, in the order tried: a step in one tier.
+
+    Attributes:
+        step: The step.
+        tier: The tier's name for the logs (``memory``, ``durable``).
+        root: The directory holding ``step_N`` in that tier (on this rank).
+        problem: Why this rank cannot read it there (None: try it).
+    """
+
+    step: int
+    tier: str
+    root: str
+    problem: str | None = None
+
+
 def load_newest(
     root: str,
     order: Sequence[int],
@@ -133,28 +159,52 @@ def load_newest(
     when ``order`` is empty. Each step passed over is logged with why; when none loads,
     :class:`CheckpointLoadError` lists them all."""
     order = ranks.from_rank_0(list(order))
+    places = [Candidate(s, "durable", root) for s in order]
+    found = load_first(places, app_state, reader_options, ranks)
+    return None if found is None else found.step
+
+
+def load_first(
+    candidates: Sequence[Candidate],
+    app_state: dict[str, Any],
+    reader_options: dict[str, Any],
+    ranks: Ranks,
+) -> Candidate | None:
+    """Load the first of ``candidates`` (the same list on every rank) that every rank loads;
+    returns it, or None when there are none. Each one passed over is logged with its tier,
+    place and why; when none loads, :class:`CheckpointLoadError` lists them all."""
     failures: dict[int, str] = {}
     last_error: BaseException | None = None
-    for i, step in enumerate(order):
-        reason, error = try_step(root, step, app_state, reader_options, ranks)
+    where = candidates[0].root if candidates else ""
+    several_tiers = len({c.tier for c in candidates}) > 1
+    for i, c in enumerate(candidates):
+        reason, error = try_step(c.root, c.step, app_state, reader_options, ranks, c.problem)
         if reason is None:
             if failures:
                 logger.warning(
-                    "rank %d: resumed from step %d of %s, passing over step(s) %s",
+                    "rank %d: resumed from step %d of %s (%s tier), passing over step(s) %s",
                     ranks.rank,
-                    step,
-                    root,
+                    c.step,
+                    c.root,
+                    c.tier,
                     list(failures),
                 )
-            return step
-        failures[step] = reason
+            return c
+        said = f"{c.tier}: {reason}" if several_tiers else reason
+        failures[c.step] = "; ".join(filter(None, [failures.get(c.step), said]))
         last_error = error or last_error
-        then = f"trying step {order[i + 1]}" if i + 1 < len(order) else "no older checkpoint"
+        then = (
+            f"trying step {candidates[i + 1].step} in {candidates[i + 1].root} "
+            f"({candidates[i + 1].tier} tier)"
+            if i + 1 < len(candidates)
+            else "no older checkpoint"
+        )
         logger.warning(
-            "rank %d: cannot resume from step %d in %s: %s; %s",
+            "rank %d: cannot resume from step %d in %s (%s tier): %s; %s",
             ranks.rank,
-            step,
-            root,
+            c.step,
+            c.root,
+            c.tier,
             reason,
             then,
         )
@@ -162,7 +212,7 @@ def load_newest(
         return None
     tried = "; ".join(f"step {s}: {r}" for s, r in failures.items())
     raise CheckpointLoadError(
-        f"rank {ranks.rank}: no checkpoint in {root} could be loaded ({_PARTIAL}). Tried, newest "
+        f"rank {ranks.rank}: no checkpoint in {where} could be loaded ({_PARTIAL}). Tried, newest "
         f"first: {tried}. `dcp-datastates verify DIR` checks a step's data; fix or remove the "
         "damaged steps, or start afresh in another root",
         failures,

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 
 from ..errors import StorageWriteError
-from ..format import METADATA_NAME
+from ..format import LATEST_NAME, METADATA_NAME
 from ..storage.base import LocalStorage
 from . import retention
 
@@ -69,6 +69,27 @@ def listing(root: str) -> dict[int, bool]:
                 step = int(m.group(1))
                 found[step] = found.get(step, False) or is_committed(os.path.join(root, name))
     return found
+
+
+def read_latest(root: str) -> int | None:
+    """The step ``root/latest`` names, or None."""
+    try:
+        with open(os.path.join(root, LATEST_NAME)) as f:
+            return int(f.read().strip())
+    except FileNotFoundError:
+        return None
+
+
+def resume_order(root: str) -> list[int]:
+    """The steps a resume tries (rank 0's view): ``latest``'s, then the older committed ones,
+    newest first."""
+    try:
+        latest = read_latest(root)
+    except (OSError, ValueError) as exc:
+        logger.warning("rank 0: %s is unreadable (%s): ignoring it", LATEST_NAME, exc)
+        latest = None
+    older = sorted(s for s, ok in listing(root).items() if ok and (latest is None or s < latest))
+    return ([] if latest is None else [latest]) + older[::-1]
 
 
 def plain_uncommitted(root: str) -> list[int]:

@@ -18,8 +18,9 @@ CRCs combined in file order, compared when its last region lands.
 
 Records of stock ``FileSystemWriter`` checkpoints carry no manifest entry: their data is found
 with :func:`~dcp_datastates.load.locate.locate_tensor`, and read the same way, without a checksum.
-A stock record written through stream transforms (compression) is read whole, decoded by the
-reader's ``decode`` and then handled as any record held in memory.
+A record written through stream transforms (compression), by stock's writer or ours, is read
+whole, checked against its manifest entry (if any: the checksum covers the stored bytes),
+decoded by the reader's ``decode`` and then handled as a stock record held in memory.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ class Fetch:
             for req in record.reqs:
                 self.blobs[req] = blob
             return
-        if record.info is not None:
+        if record.info is not None and not record.transforms:  # decoded: located as stock's
             start = record.info.data_offset - record.offset
             self._check_data_offset(record, mv[:start])
             data = _as_uint8(mv[start : start + record.info.data_length])

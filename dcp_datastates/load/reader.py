@@ -12,10 +12,11 @@ and object items must pass ``torch.load(weights_only=True)`` (``io.BytesIO`` val
 are bytes). ``trusted=True`` lifts all of this.
 
 The constructor takes stock ``FileSystemReader``'s arguments, ``path`` and
-``_extension_registry``, by name and position: records that stock ``FileSystemWriter`` wrote
-through stream transforms (``_extensions=[ZStandard()]``) are decoded through that registry, as
-stock does. ``read_metadata(rank=R)`` reads ``__R.metadata`` (a save with
-``use_collectives=False``), which ``dcp.load`` asks for when ``.metadata`` is missing."""
+``_extension_registry``, by name and position: records written through stream transforms
+(``_extensions=[ZStandard()]``, by stock ``FileSystemWriter`` or ours) are decoded through that
+registry, as stock does; ours are checked against their crc32c (over the stored bytes) first.
+``read_metadata(rank=R)`` reads ``__R.metadata`` (a save with ``use_collectives=False``), which
+``dcp.load`` asks for when ``.metadata`` is missing."""
 
 from __future__ import annotations
 
@@ -338,6 +339,20 @@ class DataStatesReader(StorageReader):
         return completed(None)
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        records, targets = self._plan_reads(plan, planner)
+        fetch = Fetch(self.storage, records, targets, self.fetch_options, self._decode)
+        fetch.run()
+        for req, target in targets.items():
+            planner.commit_tensor(req, target)
+        for req, blob in fetch.blobs.items():
+            name = self.metadata.storage_data[req.storage_index].relative_path
+            self._load_bytes(name, req, blob, planner)
+
+    def _plan_reads(
+        self, plan: LoadPlan, planner: LoadPlanner
+    ) -> tuple[list[Record], dict[ReadItem, torch.Tensor]]:
+        """The plan's records (items sharing one are read once) and each tensor item's target,
+        resolved here, on DCP's thread: planners need not be thread-safe."""
         assert self.metadata is not None
         records: dict[tuple[str, int], Record] = {}
         targets: dict[ReadItem, torch.Tensor] = {}
@@ -360,21 +375,12 @@ class DataStatesReader(StorageReader):
                 records[(sinfo.relative_path, sinfo.offset)] = record
             record.reqs.append(req)
             if req.type != LoadItemType.BYTE_IO:
-                # Resolved here, on DCP's thread: planners need not be thread-safe.
                 targets[req] = planner.resolve_tensor(req).detach()
-        fetch = Fetch(
-            self.storage, list(records.values()), targets, self.fetch_options, self._decode
-        )
-        fetch.run()
-        for req, target in targets.items():
-            planner.commit_tensor(req, target)
-        for req, blob in fetch.blobs.items():
-            name = self.metadata.storage_data[req.storage_index].relative_path
-            self._load_bytes(name, req, blob, planner)
+        return list(records.values()), targets
 
     def _decode(self, record: Record, raw: memoryview) -> bytes:
-        """A record that stock ``FileSystemWriter`` wrote through stream transforms
-        (``_extensions``), decoded as stock ``FileSystemReader`` does."""
+        """A record written through stream transforms (``_extensions``), decoded as stock
+        ``FileSystemReader`` does."""
         where = f"{self.storage.describe(record.name)}: item {record.fqn!r}"
         try:
             extensions = self.extension_registry.from_descriptor_list(record.transforms)

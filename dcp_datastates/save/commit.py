@@ -33,6 +33,7 @@ from ..format import (
     metadata_name,
 )
 from ..storage.base import Storage, _write_error
+from .transforms import TransformedRecord
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +106,12 @@ def commit(
     entries: dict[str, RecordInfo] = {}
     for rank_results in results:
         for wr in rank_results:
-            info: RecordInfo = wr.storage_data
-            storage_data[wr.index] = StorageInfo(info.relative_path, info.offset, info.length)
+            info, descriptors = wr.storage_data, None
+            if isinstance(info, TransformedRecord):  # as stock: None when not transformed
+                info, descriptors = info.info, list(info.descriptors)
+            storage_data[wr.index] = StorageInfo(
+                info.relative_path, info.offset, info.length, transform_descriptors=descriptors
+            )
             entries[manifest_key(wr.index.fqn, wr.index.offset)] = info
     _check_complete(metadata, entries, storage, rank)
     metadata.version = DCP_VERSION

@@ -5,13 +5,12 @@
 per_thread_copy_ahead, cache_staged_state_dict, overwrite, _extensions, serialization_format``)
 by name and in the same positions, so that replacing the class name is enough. Each maps to one
 of our options, or is accepted without effect because our pipeline already does what it asks
-(see the README's table), or is refused at construction when we cannot honour it (stream
-transforms, safetensors records), naming the argument.
+(see the README's table), or is refused at construction when we cannot honour it
+(safetensors records), naming the argument.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from ..errors import unknown_options
@@ -55,7 +54,6 @@ def writer_options(
     per_thread_copy_ahead: int,
     cache_staged_state_dict: bool,
     overwrite: bool,
-    _extensions: Sequence[Any] | None,
     serialization_format: Any,
     options: dict[str, Any],
 ) -> WriterOptions:
@@ -67,24 +65,22 @@ def writer_options(
     - ``single_file_per_rank``, ``per_thread_copy_ahead``, ``cache_staged_state_dict``: accepted
       without effect (file layout is ours: a few files per rank; the bounded host pool already
       copies ahead and is reused across saves).
-    - ``_extensions`` (stream transforms, e.g. ``ZStandard`` compression): refused, our records
-      are raw bytes streamed from the host pool; a non-empty sequence raises ``ValueError``.
-    - ``serialization_format``: ``TORCH_SAVE`` (what we write) or refused.
+    - ``_extensions`` (stream transforms, e.g. ``ZStandard`` compression): not an option; the
+      writer applies them as it writes (``transforms.py``).
+    - ``serialization_format``: ``TORCH_SAVE`` (what we write) or refused: stock
+      ``FileSystemWriter(serialization_format=SAFETENSORS)`` writes data files that no stock
+      reader loads (``FileSystemReader`` unpickles each record with ``torch.load``, and its
+      ``.metadata`` gives every tensor of a file the same offset; ``HuggingFaceStorageReader``
+      reads ``*.safetensors`` files with their own index). It is the base of
+      ``HuggingFaceStorageWriter``, which is the way to write safetensors.
     """
-    if _extensions:
-        names = ", ".join(type(e).__name__ for e in _extensions)
-        raise ValueError(
-            f"DataStatesWriter(_extensions=[{names}]): stream transforms (compression) are not "
-            "supported: records are written as raw bytes straight from the host pool, which a "
-            "stream transform would have to re-encode. Use torch's FileSystemWriter for "
-            "compressed checkpoints (DataStatesReader reads them)"
-        )
     fmt = _format_name(serialization_format)
     if fmt not in (None, "torch_save"):
         raise ValueError(
             f"DataStatesWriter(serialization_format={serialization_format!r}): only TORCH_SAVE "
-            "records are written (stock readers and ours load them); use torch's "
-            "FileSystemWriter for safetensors records"
+            "records are written. Stock FileSystemWriter's SAFETENSORS records are not read by "
+            "stock FileSystemReader (nor by DataStatesReader); to write safetensors files, use "
+            "torch's HuggingFaceStorageWriter"
         )
     # sync_files and overwrite are options of ours too: WriterOptions checks them.
     for name, value in (
@@ -120,6 +116,27 @@ def writer_options(
             )
         merged["flush_workers"] = thread_count
     return WriterOptions(**merged)
+
+
+class StockWriterAttributes:
+    """Stock ``FileSystemWriter``'s attributes that are options of ours, read from the options
+    (a user sweep: code reading ``writer.overwrite`` or ``writer.thread_count`` broke on ours).
+    A base of ``DataStatesWriter``, which sets ``options``."""
+
+    options: WriterOptions
+
+    @property
+    def sync_files(self) -> bool:
+        return self.options.sync_files
+
+    @property
+    def overwrite(self) -> bool:
+        return self.options.overwrite
+
+    @property
+    def thread_count(self) -> int:
+        """Files written in parallel per rank: ``flush_workers``."""
+        return self.options.flush_workers
 
 
 def lazy_staging_planner(planner: Any) -> bool:
@@ -160,6 +177,7 @@ def stock_stage(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "STOCK_WRITER_ARGS",
+    "StockWriterAttributes",
     "lazy_staging_planner",
     "stock_stage",
     "writer_options",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -39,6 +39,7 @@ from ..snapshot.session import SnapshotSession
 from ..storage import localfile
 from ..storage.base import Storage, _write_error
 from . import incremental as _incremental
+from . import transforms as _transforms
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,27 @@ def _wait(session: SnapshotSession, slice_: Any, submit: Any) -> memoryview:
     return session.wait(slice_)
 
 
+def _record_parts(session: SnapshotSession, provider: Any, key: Any, submit: Any) -> Iterator[Any]:
+    """A record's bytes in order, for a transformed record (``transforms.py``): each piece of
+    the pool goes back once the next part is asked for (the transforms have taken it)."""
+    if provider.payload is not None:
+        yield provider.payload
+        return
+    yield provider.frame.head
+    for slice_ in session.slices[key]:
+        yield _wait(session, slice_, submit)
+        session.drop(slice_)
+    yield provider.frame.tail
+
+
 def _flush_file(
-    storage: Storage, name: str, items: list[WriteItem], session: SnapshotSession, *, sync: bool
+    storage: Storage,
+    name: str,
+    items: list[WriteItem],
+    session: SnapshotSession,
+    *,
+    sync: bool,
+    transforms: Sequence[Any] = (),
 ) -> list[WriteResult]:
     results: list[WriteResult] = []
     pos = 0
@@ -106,6 +126,15 @@ def _flush_file(
         live = session.live and external is not None
         for item in items:
             provider = session.providers[item.index]
+            if transforms:  # compressed (or otherwise transformed) as it is written
+                parts = _record_parts(session, provider, item.index, submit)
+                kind = provider.kind
+                done = _transforms.write_record(
+                    f, transforms, parts, name=name, offset=pos, index=item.index, kind=kind
+                )
+                results.append(done)
+                pos += done.size_in_bytes
+                continue
             payload = provider.payload
             if payload is not None:
                 start = pos
@@ -257,8 +286,10 @@ def flush(
     nice: int = 0,
     start_after: Latch | None = None,
     incremental: bool = False,
+    transforms: Sequence[Any] = (),
 ) -> Future[list[WriteResult]]:
     """Start writing ``items``; the future holds their results, or the first error (once).
+    ``transforms``: stream transforms every record goes through (``transforms.py``).
 
     Each file gets a thread of its own, started here, which writes once ``start_after`` (if
     given) is set. It drops to nice value ``nice`` (``priority.py``) once the snapshot is staged:
@@ -311,7 +342,8 @@ def flush(
         if start_after is not None:
             start_after.wait()
         try:
-            collected.extend(_flush_file(storage, name, group, session, sync=sync))
+            written = _flush_file(storage, name, group, session, sync=sync, transforms=transforms)
+            collected.extend(written)
             complete.append(name)
         except BaseException as exc:  # every error reaches the future, none dies here
             if isinstance(exc, OSError) and not isinstance(exc, DataStatesError):

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import io
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from ..providers import (
     provider_for,
 )
 from ..providers.tensor import is_dense, not_dense_error
+from .global_plan import GlobalPlanMemo
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -266,56 +266,6 @@ class PlannedItems(list):
         self.local_plan = local_plan
 
 
-class GlobalPlanMemo:
-    """A writer's last single-rank global plan and metadata, for the next save whose local plan
-    is the same object.
-
-    DCP's global planning (dedup, then a ``TensorStorageMetadata`` per item and two
-    ``dataclasses.replace`` per tensor item) is a function of the local plans alone. A save that
-    replays the layout of the one before keeps that save's local plan object
-    (:func:`replans_to`), so its global plan and metadata would come out the same: at 20,000
-    items they took about a third of the save thread's CPU (0.4 s), and at the train scenario's
-    322 items they were about 1,200 of the objects a save keeps alive. Only a single rank's
-    plan is matched, by identity: on several ranks the coordinator receives other ranks' plans
-    unpickled, as new objects, and plans them as DCP does."""
-
-    def __init__(self) -> None:
-        # One reference, swapped whole: saves of one writer on several save threads read and
-        # replace it without a lock.
-        self._last: tuple[SavePlan, list[SavePlan], Metadata] | None = None
-
-    def get(self, plans: Sequence[SavePlan]) -> tuple[list[SavePlan], Metadata] | None:
-        last = self._last
-        if last is None or len(plans) != 1 or plans[0] is not last[0]:
-            return None
-        return last[1], _fresh(last[2])
-
-    def put(
-        self, plans: Sequence[SavePlan], global_plan: list[SavePlan], metadata: Metadata
-    ) -> None:
-        if len(plans) != 1:
-            self._last = None
-            return
-        # A copy: the first save's result keeps its entries whatever its owner does with it.
-        self._last = (plans[0], global_plan, _fresh(metadata))
-
-    def forget(self) -> None:
-        self._last = None
-
-
-def _fresh(metadata: Metadata) -> Metadata:
-    """A ``Metadata`` of its own for one save: ``finish`` sets its ``storage_data`` and
-    ``version``, and each save's result is that save's. The per-item entries, which nothing
-    changes once planned, are shared; the dicts holding them are not."""
-    planner_data = metadata.planner_data
-    return dataclasses.replace(
-        metadata,
-        state_dict_metadata=dict(metadata.state_dict_metadata),
-        planner_data=dict(planner_data) if isinstance(planner_data, dict) else planner_data,
-        storage_data=None,
-    )
-
-
 class StagedSavePlanner(DataStatesSavePlanner):
     """The planner of ``dcp_datastates.async_save``'s save thread (``api.py``).
 
@@ -324,9 +274,11 @@ class StagedSavePlanner(DataStatesSavePlanner):
     state ``stage()`` recorded). Where ``local_plan()`` finds that plan, it is this planner's
     local plan; the state dict is flattened only if something resolves an item through this
     planner (the writer writes the snapshot, so nothing does). Where it finds none (a process
-    executor's save, a plain ``dcp.save``), this is a ``DataStatesSavePlanner``. The global plan
-    and the metadata are DCP's; a save whose local plan is the one of the save before (a replay)
-    takes that save's from ``memo`` (:class:`GlobalPlanMemo`). On the train scenario's state
+    executor's save, a plain ``dcp.save``), this is a ``DataStatesSavePlanner``. With a ``memo``
+    (:class:`~.global_plan.GlobalPlanMemo`, the writer's) the global plan is DCP's, made in time
+    linear in the items (``global_plan.plan_globally``), and a save whose local plans are those
+    of the save before (a replay, on every rank) takes that save's plans and metadata from the
+    memo without planning: the ranks send empty plans. On the train scenario's state
     (350 items) the save thread's local planning took 25 ms of CPU per save; at 20,000 items it
     is linear in them.
     """
@@ -354,21 +306,22 @@ class StagedSavePlanner(DataStatesSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         if self._reused is None:
-            return super().create_local_plan()
-        self.plan = self._reused
-        return self.plan
+            plan = super().create_local_plan()
+        else:
+            self.plan = plan = self._reused
+        return plan if self._memo is None else self._memo.local(plan)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        memo = self._memo
-        if memo is None:
+        if self._memo is None:
             return super().create_global_plan(all_plans)
-        remembered = memo.get(all_plans)
-        if remembered is not None:
-            self.global_plan, self.metadata = remembered
-            return remembered
-        global_plan, metadata = super().create_global_plan(all_plans)
-        memo.put(all_plans, global_plan, metadata)
-        return global_plan, metadata
+        self.global_plan, self.metadata = self._memo.plan(all_plans)
+        return self.global_plan, self.metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if self._memo is not None:
+            new_plan = self._memo.finish(new_plan, self.plan)
+        self.plan = new_plan
+        return new_plan
 
     def lookup_object(self, index: Any) -> Any:  # resolve_data goes through it
         if self._unflattened is not None:

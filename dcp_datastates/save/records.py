@@ -152,18 +152,20 @@ class _Save:
 
     def refuse_overwrite(self, overwrite: bool) -> list[str]:
         """The commit records at the save's path (:func:`commit.commit_records`); raises
-        ``FileExistsError`` if there are any and not ``overwrite``."""
+        ``RuntimeError`` if there are any and not ``overwrite``: what stock
+        ``FileSystemWriter`` raises, with its words first (code matches on them)."""
         records = _commit.commit_records(self.storage, self.commit_rank)
         if records and not overwrite:
-            raise FileExistsError(
-                f"{self.storage.describe(records[0])} exists and overwrite=False; save to a "
-                "new path or pass overwrite=True"
+            raise RuntimeError(
+                "Checkpoint already exists and self.overwrite=False. "
+                f"rank {self.rank}: {self.storage.describe(records[0])} exists; save to a new "
+                "path, or pass overwrite=True to replace it"
             )
         return records
 
     def clear_old_records(self, *, overwrite: bool, sync: bool) -> None:
         """Remove the commit records at the save's path before it writes (raises
-        ``FileExistsError`` instead if not ``overwrite``)."""
+        ``RuntimeError`` instead if not ``overwrite``)."""
         records = self.refuse_overwrite(overwrite)
         if records:
             _commit.uncommit(self.storage, records, sync=sync)

@@ -74,15 +74,22 @@ class Resources:
         self.flushes: set[Future[Any]] = set()  # running flushes, which close() waits for
 
     def flush(
-        self, session: SnapshotSession, storage: Storage, items: Sequence[WriteItem], prefix: str
+        self,
+        session: SnapshotSession,
+        storage: Storage,
+        items: Sequence[WriteItem],
+        prefix: str,
+        transforms: Sequence[Any] = (),
     ) -> Future[Any]:
         """Start writing ``items`` of ``session`` (one the runtime let flush) on the flush
-        threads, tracked until it resolves."""
+        threads, tracked until it resolves; ``transforms``: stream transforms for every record
+        (``transforms.py``)."""
         # Host copies whose pool holds the whole session: the flush writes what the copies
         # have not reached straight from the live tensors (snapshot/session.py, flush.py), from
-        # now on.
+        # now on. Not through transforms: a live write goes straight to a direct file.
         if (
             self.live_flush
+            and not transforms
             and session.live_parts > 0
             and session.device.synchronous
             and session.pool is not None
@@ -98,6 +105,7 @@ class Resources:
             sync=self._options.sync_files,
             nice=self._options.flush_nice,
             incremental=self._options.incremental,
+            transforms=transforms,
             # Other host copies: writes started while the snapshot copies take cores and memory
             # bandwidth from it on a small machine, and the copy is what the caller waits for.
             # The flush threads wait until the snapshot is staged, or needs pool space that only

@@ -12,8 +12,8 @@
 What the pool and threads are, and how big, is ``resources.py``; planning a session ``stage()``
 only recorded, on the planning thread, is ``deferred.py``; the slot a staged session waits in
 until its save thread claims it (UNCLAIMED below) is ``handoff.py``. This module holds the one
-lock (and its Condition) over the sessions and the hand-off, shared with ``handoff.py``, and the
-fork hook that disowns them.
+lock (and its Condition) over the sessions and the hand-off, shared with ``handoff.py``; a child
+made by ``os.fork()`` disowns them (``forks.py``).
 
 Session lifecycle as the runtime sees it::
 
@@ -33,10 +33,8 @@ be claimed) and refuses new work from its first line on.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -53,24 +51,13 @@ from ..snapshot import guard as _guard
 from ..snapshot.pool import HostPool
 from ..snapshot.session import SnapshotSession
 from ..storage.base import Storage
+from . import forks
 from .deferred import DeferredPlanning, Plan
 from .handoff import HandOff, never_claimed_error
 from .resources import Resources, SaveThreads, auto_pool_bytes, check_fits
 from .sessions import LiveSessions
 
 logger = logging.getLogger(__name__)
-
-
-#: Every runtime of this process, to be disowned in a child made by ``os.fork()``.
-_LIVE_RUNTIMES: weakref.WeakSet[SnapshotRuntime] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for runtime in list(_LIVE_RUNTIMES):
-        runtime._inherited_by_fork()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class SnapshotRuntime:
@@ -82,7 +69,7 @@ class SnapshotRuntime:
         #: Inherited by a child made by ``os.fork()``: its threads, sessions and saves are the
         #: parent's, so in the child it is closed for good and lets go of nothing.
         self.inherited = False
-        _LIVE_RUNTIMES.add(self)
+        forks.register(self)  # disowned in a child made by os.fork() (forks.py)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         #: The session staged and not yet claimed by its save thread (``handoff.py``).
@@ -369,8 +356,10 @@ class SnapshotRuntime:
         storage: Storage,
         items: Sequence[WriteItem],
         prefix: str,
+        transforms: Sequence[Any] = (),
     ) -> Future[Any]:
-        """Write ``items`` of ``session`` as their pieces land; the future holds the results.
+        """Write ``items`` of ``session`` as their pieces land (through stream ``transforms``,
+        if any: ``transforms.py``); the future holds the results.
 
         A session that was dropped (``close()`` gave up on it) fails here with its error: the
         live tensors are never read in its place."""
@@ -388,7 +377,7 @@ class SnapshotRuntime:
             # waited for itself, and close() for both.
             session.retire()
             return failed
-        result = res.flush(session, storage, items, prefix)
+        result = res.flush(session, storage, items, prefix, transforms)
         result.add_done_callback(lambda _f: self._flush_over(session))
         return result
 

@@ -56,6 +56,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
@@ -80,7 +81,7 @@ from .calls import (
     fails_on_every_rank,
     which_call,
 )
-from .compat import lazy_staging_planner, stock_stage, writer_options
+from .compat import StockWriterAttributes, lazy_staging_planner, stock_stage, writer_options
 from .planner import (
     GlobalPlanMemo,
     StagedSavePlanner,
@@ -90,14 +91,16 @@ from .process_staging import daemon_runtime, raise_relayed, stage_for_process
 from .records import _Save
 from .runtime import SnapshotRuntime
 from .staging import ThreadStaging
+from .transforms import stream_transforms
 
 
 @_dcp_private.no_synchronize_after_execute
-class DataStatesWriter(StorageWriter, AsyncStager):
+class DataStatesWriter(StorageWriter, AsyncStager, StockWriterAttributes):
     """A DCP storage writer with a lazy snapshot and a streaming flush.
 
     Takes every argument of stock ``FileSystemWriter``, by name and in the same positions (see
-    :mod:`dcp_datastates.save.compat` and the README's table); our own options are keyword-only.
+    :mod:`dcp_datastates.save.compat` and the README's table), and has its attributes
+    (``StockWriterAttributes``); our own options are keyword-only.
 
     Args:
         path: Checkpoint directory: a local path or any fsspec URL. ``checkpoint_id`` passed to a
@@ -106,8 +109,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             compatibility, without effect.
         sync_files, overwrite: As stock (and :class:`~dcp_datastates.WriterOptions`).
         thread_count: Files written in parallel per rank (``flush_workers``).
-        _extensions: Must be empty: stream transforms (compression) are refused.
-        serialization_format: ``TORCH_SAVE`` only.
+        _extensions: As stock: stream transforms every record is written through, such as
+            ``[ZStandard()]`` compression (``transforms.py``); stock readers decode them.
+        serialization_format: ``TORCH_SAVE`` only (see :func:`compat.writer_options`).
         **options: Keyword-only fields of :class:`~dcp_datastates.WriterOptions`
             (``host_pool_bytes``, ``flush_workers``, ``guard_optimizer_step``, ...).
 
@@ -137,10 +141,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             per_thread_copy_ahead=per_thread_copy_ahead,
             cache_staged_state_dict=cache_staged_state_dict,
             overwrite=overwrite,
-            _extensions=_extensions,
             serialization_format=serialization_format,
             options=options,
         )
+        self._transforms = stream_transforms(_extensions)  # compression, ...: transforms.py
         self.save_id: str | None = None  # the latest save's StorageMeta.save_id
         self.last_stats: SaveStats | None = None
         self.last_failed_stats: SaveStats | None = None
@@ -149,21 +153,6 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.cache_staged_state_dict = cache_staged_state_dict
         self._init_runtime_state()
-
-    # Stock FileSystemWriter's attributes that are options of ours (a user sweep: code reading
-    # writer.overwrite or writer.thread_count broke on ours).
-    @property
-    def sync_files(self) -> bool:
-        return self.options.sync_files
-
-    @property
-    def overwrite(self) -> bool:
-        return self.options.overwrite
-
-    @property
-    def thread_count(self) -> int:
-        """Files written in parallel per rank: ``flush_workers``."""
-        return self.options.flush_workers
 
     def _init_runtime_state(self, shared: SnapshotRuntime | None = None) -> None:
         """The parts of the writer that never travel. ``shared``: DCP's checkpoint daemon's
@@ -200,6 +189,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             "single_file_per_rank": self.single_file_per_rank,
             "per_thread_copy_ahead": self.per_thread_copy_ahead,
             "cache_staged_state_dict": self.cache_staged_state_dict,
+            "_transforms": self._transforms,
             "last_stats": None,
             "last_failed_stats": None,
             "save_id": None,
@@ -413,7 +403,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             plan = dataclasses.replace(plan, storage_data=f"__{save.rank}_")
         elif plan.storage_data is None and dist.is_initialized() and dist.get_world_size() > 1:
             # Several processes: the coordinator checks that every rank names one checkpoint.
-            # (A single rank's plan keeps its identity, which GlobalPlanMemo matches by.)
+            # (The planner matched the plan to its cache before: global_plan.py.)
             target = _RankTarget(save.storage.describe("").rstrip("/"))
             plan = dataclasses.replace(plan, storage_data=target)
         return plan
@@ -425,9 +415,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         # the same names (a user sweep: overwrite=False saved over one, and an old .metadata
         # was left committing overwritten data).
         save.clear_old_records(overwrite=self.options.overwrite, sync=self.options.sync_files)
-        # A plan keeps the prefix it has (a rank's own, without collectives; a cached plan's).
+        # A plan keeps its prefix (a rank's own, a cached plan's); s3.py may add a data_dir.
+        at = getattr(save.storage, "data_dir", lambda rank: "")
         return [
-            p if isinstance(p.storage_data, str) else dataclasses.replace(p, storage_data=f"__{i}_")
+            p if isinstance(p.storage_data, str) else replace(p, storage_data=f"{at(i)}__{i}_")
             for i, p in enumerate(plans)
         ]
 
@@ -456,7 +447,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if save.stats is not None:
             save.stats.flush_started_s = time.monotonic() - save.started
         result = self._runtime.start_flush(
-            session, storage=save.storage, items=plan.items, prefix=plan.storage_data
+            session,
+            storage=save.storage,
+            items=plan.items,
+            prefix=plan.storage_data,
+            transforms=self._transforms,
         )
         result.add_done_callback(lambda f: _records.flushed(self, self._runtime, save, f))
         return RelayFuture(result)  # DCP waits on a torch future (dcp_future.py says how)

@@ -30,6 +30,7 @@ import errno
 import io
 import logging
 import threading
+import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any, BinaryIO
@@ -44,6 +45,9 @@ _COPY_OBJECT_MAX = 5 << 30
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
+#: Defaults of ``part_bytes`` and ``parts_in_flight`` (``docs/storage.md``, "Settings").
+PART_BYTES = 16 * MiB
+PARTS_IN_FLIGHT = 2
 
 
 class _MultipartWriter(io.RawIOBase):
@@ -215,10 +219,17 @@ class S3Storage:
         url: ``s3://bucket/prefix``.
         storage_options: Passed to ``s3fs.S3FileSystem`` (``endpoint_url``, ``key``, ``secret``,
             ``client_kwargs``, ``config_kwargs``, ...); fsspec's config and the AWS environment
-            variables apply as usual. Three keys are ours and override the arguments below:
-            ``retry`` (a :class:`RetryPolicy`), ``part_bytes`` and ``parts_in_flight``.
+            variables apply as usual. Four keys are ours and override the arguments below:
+            ``retry`` (a :class:`RetryPolicy`), ``part_bytes``, ``parts_in_flight`` and
+            ``spread_prefixes``.
         part_bytes: Size of a multipart part (at least 5 MiB, S3's minimum).
         parts_in_flight: Parts of one object uploading at once.
+        spread_prefixes: 0 (the default): data objects sit directly under the checkpoint's
+            prefix, as stock writes them. N > 0: each rank's objects go under one of N
+            sub-prefixes named by a hash of the rank (``3a/__5_0.distcp``), so that a store
+            that throttles per prefix (S3: about 3,500 PUT/s each) can split the requests of
+            thousands of ranks flushing at once over N partitions. ``.metadata`` records the
+            relative paths, so stock ``FsspecReader`` (and ours) reads such a checkpoint.
     """
 
     def __init__(
@@ -226,15 +237,20 @@ class S3Storage:
         url: str,
         storage_options: Mapping[str, Any] | None = None,
         *,
-        part_bytes: int = 16 * MiB,
-        parts_in_flight: int = 2,
+        part_bytes: int = PART_BYTES,
+        parts_in_flight: int = PARTS_IN_FLIGHT,
+        spread_prefixes: int = 0,
     ) -> None:
         options = dict(storage_options or {})
         retry = options.pop("retry", None) or RetryPolicy()
         part_bytes = options.pop("part_bytes", part_bytes)
         parts_in_flight = options.pop("parts_in_flight", parts_in_flight)
+        spread_prefixes = options.pop("spread_prefixes", spread_prefixes)
         if part_bytes < 5 * MiB:
             raise ValueError(f"part_bytes={part_bytes!r} is below S3's 5 MiB minimum part size")
+        if type(spread_prefixes) is not int or not 0 <= spread_prefixes <= 4096:
+            raise ValueError(f"spread_prefixes={spread_prefixes!r} is not an int from 0 to 4096")
+        self.spread_prefixes = spread_prefixes
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"mode": "standard", "max_attempts": 1})  # ours bound them
         options["config_kwargs"] = config
@@ -257,6 +273,15 @@ class S3Storage:
 
     def describe(self, name: str) -> str:
         return f"{self.url}/{name}"
+
+    def data_dir(self, rank: int) -> str:
+        """Where rank ``rank``'s data objects go, relative to the checkpoint: ``""``, or with
+        ``spread_prefixes`` a sub-prefix named by a hash of the rank (``"3a/"``)."""
+        n = self.spread_prefixes
+        if not n:
+            return ""
+        width = len(f"{n - 1:x}")
+        return f"{zlib.crc32(str(rank).encode()) % n:0{width}x}/"
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name

@@ -4,6 +4,7 @@ common.py    JSON lines, machine description, medians and spread, page cache, pe
 state.py     the transformer-shaped state (parameters, Adam moments, Python objects)
 systems.py   the save systems compared: stock DCP and ours, each timed the same way
 limits.py    disk write+fsync, cold/warm read, memcpy (and pinned device->host) bandwidth
+disk_limit.py  the disk's write limit as the best of a sweep of write patterns; durable targets
 save.py      the save scenario: one subprocess per system and round
 load.py      stock FileSystemReader vs DataStatesReader, cold and warm page cache
 train.py     a small transformer trained with a checkpoint every K steps

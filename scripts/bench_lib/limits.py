@@ -17,20 +17,33 @@ import torch
 
 from dcp_datastates.options import WriterOptions
 
-from .common import GB, Recorder, alternate, fresh_dir, go_cold, log, now
+from .common import GB, Recorder, fresh_dir, go_cold, log, now
 
 BLOCK = 8 << 20  # bytes per write() / readinto()
 
 
-def _payload() -> memoryview:
+def _payload(block: int = BLOCK) -> memoryview:
     # Random bytes: a compressing or deduplicating file system must not get an easy ride.
-    return memoryview(os.urandom(BLOCK))
+    return memoryview(os.urandom(block))
 
 
-def _aligned_payload() -> memoryview:
-    buf = mmap.mmap(-1, BLOCK)  # page aligned, as O_DIRECT needs
-    buf.write(os.urandom(BLOCK))
-    return memoryview(buf)
+_random: list[memoryview] = []  # the largest random, page-aligned block made so far
+
+
+def _aligned_payload(block: int = BLOCK) -> memoryview:
+    """``block`` random bytes, page aligned (as ``O_DIRECT`` needs), made once and reused: the
+    write sweep asks for several sizes in a row, and ``os.urandom`` of 64 MiB is not free."""
+    if not _random or _random[0].nbytes < block:
+        buf = mmap.mmap(-1, block)
+        buf.write(os.urandom(block))
+        _random[:] = [memoryview(buf)]
+    return _random[0][:block]
+
+
+def file_share(total_bytes: int, writers: int) -> int:
+    """Bytes each of ``writers`` files gets of ``total_bytes``: an equal share, rounded up to
+    4 KiB (``O_DIRECT`` lengths are aligned), so the writers write about ``total_bytes``."""
+    return max(4096, -(-total_bytes // writers // 4096) * 4096)
 
 
 def direct_supported(directory: Path) -> bool:
@@ -48,11 +61,15 @@ def direct_supported(directory: Path) -> bool:
     return True
 
 
-def write_fsync(directory: Path, total_bytes: int, writers: int, *, direct: bool = False) -> float:
-    """Seconds for ``writers`` threads to each write and fsync their share into its own file
-    (with ``direct``: ``O_DIRECT`` from an aligned buffer, bypassing the page cache)."""
-    data = _aligned_payload() if direct else _payload()
-    share = max(BLOCK, total_bytes // writers // BLOCK * BLOCK)
+def write_fsync(
+    directory: Path, total_bytes: int, writers: int, *, direct: bool = False, block: int = BLOCK
+) -> float:
+    """Seconds for ``writers`` threads to each write ``file_share`` bytes into its own file in
+    ``block``-byte writes and fsync it at the end (with ``direct``: ``O_DIRECT`` from an aligned
+    buffer, bypassing the page cache)."""
+    share = file_share(total_bytes, writers)
+    block = min(block, share)
+    data = _aligned_payload(block)
     barrier = threading.Barrier(writers + 1)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
 
@@ -62,7 +79,7 @@ def write_fsync(directory: Path, total_bytes: int, writers: int, *, direct: bool
             barrier.wait()
             left = share
             while left > 0:
-                left -= os.write(fd, data[: min(BLOCK, left)])
+                left -= os.write(fd, data[: min(block, left)])
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -216,45 +233,25 @@ def pinned_d2h(nbytes: int, repeat: int = 3) -> float | None:
     return best
 
 
-def write_limit_name(writers: int) -> str:
-    return f"write+fsync x{writers}"
+def run(rec: Recorder, *, workdir: Path, nbytes: int, rounds: int, cold: bool) -> None:
+    """The disk write sweep and its best (``disk_limit.py``), cold and warm reads, memcpy;
+    repeat."""
+    from . import disk_limit  # it builds on this module's writers
 
-
-def direct_limit_name(writers: int) -> str:
-    """Not prefixed "write+fsync": the durable target compares with the page-cache limit."""
-    return f"direct write+fsync x{writers}"
-
-
-def run(
-    rec: Recorder, *, workdir: Path, nbytes: int, writers: int, rounds: int, cold: bool
-) -> None:
-    """Alternate one and ``writers`` parallel writers, cold and warm reads, memcpy; repeat."""
     workdir = fresh_dir(workdir / "limits")
     gb = nbytes / GB
     read_file = workdir / "read.bin"
     log(f"limits: {gb:.2f} GB per measurement, {rounds} rounds")
     for r in range(rounds):
-        for n in alternate([1, writers], r):
-            rec.emit(
-                "limits",
-                write_limit_name(n),
-                {"seconds": (s := write_fsync(workdir, nbytes, n)), "gb_per_s": gb / s},
-                bytes=nbytes,
-                writers=n,
-                round=r,
-            )
-        if direct_supported(workdir):
-            rec.emit(
-                "limits",
-                direct_limit_name(writers),
-                {
-                    "seconds": (s := write_fsync(workdir, nbytes, writers, direct=True)),
-                    "gb_per_s": gb / s,
-                },
-                bytes=nbytes,
-                writers=writers,
-                round=r,
-            )
+        best, s, gbps = disk_limit.sweep(rec, workdir, nbytes, r, "limits")
+        rec.emit(
+            "limits",
+            disk_limit.LIMITS_BEST,
+            {"seconds": s, "gb_per_s": gbps},
+            config=best,
+            bytes=nbytes,
+            round=r,
+        )
         fd = os.open(read_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         data = _payload()
         for _ in range(max(1, nbytes // BLOCK)):

@@ -24,8 +24,9 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, async_save
+from dcp_datastates import DataStatesReader, DataStatesWriter, WriterOptions, async_save
 from dcp_datastates.checkpointers.tiers import Tier, TieredCheckpointer
+from dcp_datastates.storage import s3
 
 from . import state
 from .common import GB, Recorder, Spread, alternate, fresh_dir, log, now
@@ -44,9 +45,34 @@ _ENV = {
 }
 
 
+def settings(system: str, opts: dict[str, Any], objects: int) -> dict[str, Any]:
+    """How ``system`` wrote to the store: objects per save, part size, parts in flight per
+    object, and objects written at once (what the durable time depends on; moto on loopback
+    rewards concurrency less than a real store does, ``docs/storage.md``)."""
+    if system == STOCK_W:  # one file per rank (thread_count=1), s3fs's parts, one at a time
+        import s3fs
+
+        part = s3fs.S3FileSystem.default_block_size
+        return {"objects": objects, "part_bytes": part, "parts_in_flight": 1, "at_once": 1}
+    return {
+        "objects": objects,
+        "part_bytes": opts.get("part_bytes", s3.PART_BYTES),
+        "parts_in_flight": opts.get("parts_in_flight", s3.PARTS_IN_FLIGHT),
+        "at_once": WriterOptions().flush_workers,
+    }
+
+
+def describe(x: dict[str, Any]) -> str:
+    return (
+        f"{x['objects']} data objects, {x['part_bytes'] >> 20} MiB parts, "
+        f"{x['parts_in_flight']} in flight per object, {x['at_once']} objects at once"
+    )
+
+
 @contextmanager
-def moto_process() -> Iterator[str]:
-    """``python -m moto.server`` on a free loopback port; its endpoint while the block runs."""
+def moto_process() -> Iterator[tuple[str, int]]:
+    """``python -m moto.server`` on a free loopback port; its endpoint and process id while the
+    block runs."""
     with socket.socket() as s:
         s.bind((HOST, 0))
         port = s.getsockname()[1]
@@ -66,7 +92,7 @@ def moto_process() -> Iterator[str]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the moto server did not start") from None
                 time.sleep(0.1)
-        yield f"http://{HOST}:{port}"
+        yield f"http://{HOST}:{port}", proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -81,7 +107,7 @@ def run(rec: Recorder, *, workdir: Path, nbytes: int, tensors: int, rounds: int)
     sd = state.build(nbytes, tensors)
     size = state.nbytes(sd)
     log(f"objstore: {size / GB:.2f} GB in {len(state.tensors_of(sd))} tensors, {rounds} rounds")
-    with moto_process() as endpoint:
+    with moto_process() as (endpoint, _):
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
         opts = {"endpoint_url": endpoint}
@@ -102,10 +128,13 @@ def run(rec: Recorder, *, workdir: Path, nbytes: int, tensors: int, rounds: int)
                     finally:
                         writer.close()
                 seconds = now() - t0
+                root = urls[name].removeprefix("s3://")
+                objects = sum(p.endswith(".distcp") for p in s3fs.S3FileSystem(**opts).find(root))
                 rec.emit(
                     "objstore",
                     name,
                     {"save_s": seconds, "gb_per_s": size / GB / seconds},
+                    settings=settings(name, opts, objects),
                     round=r,
                     **extra,
                 )
@@ -180,13 +209,15 @@ def table(rec: Recorder) -> str:
         return "-" if a is None or b is None or not b.median else f"{a.median / b.median:.2f}x"
 
     lines = [
-        "### Object store (moto on loopback)",
+        "### Object store (moto on loopback, in its own process)",
         "",
         "| what | stock | ours | ours/stock speed |",
         "|---|---|---|---|",
     ]
     sw, ow = med(STOCK_W, "gb_per_s"), med(OURS_W, "gb_per_s")
     lines.append(f"| save GB/s | {fmt(sw)} | {fmt(ow)} | {ratio(ow, sw)} |")
+    st, ot = med(STOCK_W, "save_s"), med(OURS_W, "save_s")
+    lines.append(f"| save (durable) s | {fmt(st)} | {fmt(ot)} | time {ratio(ot, st)} |")
     for ckpt in ("stock", "ours"):
         sr, orr = (
             med(STOCK_R, "gb_per_s", checkpoint=ckpt),
@@ -203,4 +234,9 @@ def table(rec: Recorder) -> str:
     for name in (DIRECT, TIERED):
         cells = [fmt(med(name, f)) for f in ("blocked_s", "local_durable_s", "remote_committed_s")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for name in (STOCK_W, OURS_W):
+        saved = [r["settings"] for r in rec.select("objstore", system=name) if "settings" in r]
+        if saved:
+            lines.append(f"- {name}: {describe(saved[0])}")
     return "\n".join(lines) + "\n"

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import cow, load, scaling, train
+from . import cow, disk_limit, load, scaling, train
 from .common import GB, Recorder, Spread
-from .limits import copy_workers, write_limit_name
+from .limits import copy_workers
 from .systems import DCP_OURS, FLOOR, SAVE_SYSTEMS
 
 STOCK_ASYNC = SAVE_SYSTEMS["stock-async"]
@@ -207,9 +207,9 @@ def _extra_wait(f: _Figures, system: str) -> Spread | None:
     return _paired(f, system, extra)
 
 
-#: The training target: our overhead per checkpoint at most this fraction of stock async's.
-TRAIN_RATIO = 0.3
-#: Issue 38: with copy-on-write, our overhead per checkpoint at most this multiple of the floor's.
+#: The training target (issues 38, 41): our overhead per checkpoint at most this multiple of the
+#: floor's in the same cycles. Stock async's overhead is bimodal on a small VM (0.11-0.40x from
+#: one run to the next), so it is reported beside the target, not judged against.
 TRAIN_FLOOR_RATIO = 1.3
 
 
@@ -262,15 +262,14 @@ def _idle_line(f: _Figures) -> str:
     if train_cpu is None or idle is None or wall is None:
         return ""
     cores = f.rec.select("train_block")[0]["cores"]
-    stock, bound = _overheads(f, train.STOCK_ASYNC), _lower_bounds(f, train.OURS)
+    bound = _lower_bounds(f, train.OURS)
     target = ""
     floor, ours = _overheads(f, train.FLOOR), _overheads(f, train.OURS)
-    if stock is not None and bound is not None:
+    if floor is not None and bound is not None:
         target = (
-            f" The target allows ours {TRAIN_RATIO} x stock async's overhead = "
-            f"{TRAIN_RATIO * stock.median:.3f} s per checkpoint; our lower bound is "
-            f"{bound.median:.3f} s"
-            + ("." if floor is None else f", the floor's overhead {floor.median:.3f} s.")
+            f" The target allows ours {TRAIN_FLOOR_RATIO} x the floor's overhead = "
+            f"{TRAIN_FLOOR_RATIO * floor.median:.3f} s per checkpoint; our lower bound is "
+            f"{bound.median:.3f} s."
         )
     if floor is not None and ours is not None:
         cpu_ours, cpu_floor = (
@@ -287,10 +286,7 @@ def _idle_line(f: _Figures) -> str:
             if _above_zero(floor)
             else "n/a (the floor's median overhead is not above zero in these cycles)"
         )
-        target += (
-            f" Ours / the floor's overhead: {ratio} (issue 38 asks for at most "
-            f"{TRAIN_FLOOR_RATIO}x){cpu}."
-        )
+        target += f" Ours / the floor's overhead: {ratio} (at most {TRAIN_FLOOR_RATIO}x){cpu}."
     return (
         f"\n\nNo-checkpoint block: {wall.fmt(3)} s on {cores} cores; the training used "
         f"{train_cpu.fmt(3)} CPU s, the machine left {idle.fmt(3)} CPU s idle. Lower bound: "
@@ -628,80 +624,14 @@ def _ratio_value(
     return a.median / b.median, detail
 
 
-def _durable_vs_limit(f: _Figures) -> tuple[float | None, str]:
-    ours = f.spread("save", OURS_FULL, "durable_gb_per_s")
-    limit = next(
-        (
-            f.spread("save", n, "durable_gb_per_s")
-            for n in f.systems("save")
-            if n.startswith("raw write+fsync")
-        ),
-        None,
-    )
-    if limit is None:
-        names = [
-            n
-            for n in f.systems("limits")
-            if n.startswith("write+fsync") and n != write_limit_name(1)
-        ]
-        limit = f.spread("limits", names[0], "gb_per_s") if names else None
-    value, detail = _ratio_value(ours, limit, "needs save (and a write limit)", "GB/s")
-    rounds = _per_round_vs_limit(f)
-    if value is not None and rounds:
-        detail += f"; per round {rounds}"
-    direct = next(
-        (
-            f.spread("save", n, "durable_gb_per_s")
-            for n in f.systems("save")
-            if n.startswith("raw direct write+fsync")
-        ),
-        None,
-    )
-    if value is not None and ours is not None and direct is not None and direct.median > 0:
-        detail += f"; O_DIRECT limit {direct.fmt(3)} GB/s, ours {ours.median / direct.median:.2f}x"
+def _training_vs_floor(f: _Figures) -> tuple[float | None, str]:
+    """Ours / the floor's overhead per checkpoint (``floor.py``: the least a lazy, verified,
+    durable checkpoint does), medians over the same cycles; stock async's beside it."""
+    ours, stock = _overheads(f, train.OURS), _overheads(f, train.STOCK_ASYNC)
+    value, detail = _ratio_value(ours, _overheads(f, train.FLOOR), "needs train (floor blocks)")
+    if value is not None and ours is not None and _above_zero(stock):
+        detail += f"; stock async {stock.fmt(3)} s: ours {ours.median / stock.median:.2f}x it"
     return value, detail
-
-
-def _per_round_vs_limit(f: _Figures) -> str:
-    """Ours / the raw limit of the same round of the save rotation (the disk swings between
-    rounds, so the ratio of medians can hide a round that lost)."""
-    limit = {
-        r["round"]: r["figures"]["durable_gb_per_s"]
-        for n in f.systems("save")
-        if n.startswith("raw write+fsync")
-        for r in f.rec.select("save", system=n)
-    }
-    ratios = [
-        r["figures"]["durable_gb_per_s"] / limit[r["round"]]
-        for r in f.rec.select("save", system=OURS_FULL)
-        if limit.get(r["round"])
-    ]
-    return ", ".join(f"{x:.2f}" for x in ratios)
-
-
-def _training_limit(f: _Figures) -> tuple[float | None, str]:
-    """The floor's overhead (``floor.py``: the least a lazy, verified, durable checkpoint does,
-    in the same cycles) against stock async's; without floor blocks, our CPU lower bound
-    (``_lower_bounds``). The lower bound is in the detail either way: the floor's overhead
-    includes its contention for the cores, the bound only their capacity."""
-    stock = _overheads(f, train.STOCK_ASYNC)
-    bound, bound_detail = _ratio_value(
-        _lower_bounds(f, train.OURS), stock, "needs train with CPU figures"
-    )
-    floor_over, ours = _overheads(f, train.FLOOR), _overheads(f, train.OURS)
-    floor, floor_detail = _ratio_value(floor_over, stock, "no floor blocks")
-    if stock is None or (floor is None and bound is None):
-        return None, bound_detail
-    allowed = f"{TRAIN_RATIO} x stock = {TRAIN_RATIO * stock.median:.3f} s"
-    cpu = (
-        f"max(0, ckpt CPU - idle CPU) / cores against stock: {bound_detail}"
-        if bound is not None
-        else f"CPU lower bound: n/a ({bound_detail})"
-    )
-    if floor is None or floor_over is None:
-        return bound, f"{cpu} ({allowed})"
-    gap = "" if ours is None else f"; ours {ours.median - floor_over.median:+.3f} s against it"
-    return floor, f"floor overhead against stock: {floor_detail} ({allowed}{gap}); {cpu}"
 
 
 def _cold_load(f: _Figures) -> tuple[float | None, str]:
@@ -710,25 +640,6 @@ def _cold_load(f: _Figures) -> tuple[float | None, str]:
     if raw is None and f.rec.select("load"):
         return None, "page cache not dropped"
     return _ratio_value(ours, raw, "needs load", "GB/s")
-
-
-def _durable_every_round(f: _Figures) -> tuple[float | None, str]:
-    """The worst round's ratio: ours against the write+fsync limit measured in the same round's
-    rotation (issue 11: at least 90%, steadily across rounds)."""
-    limit = next((n for n in f.systems("save") if n.startswith("raw write+fsync")), None)
-    if limit is None:
-        return None, "needs save with its write limit"
-    base = {
-        r["round"]: r["figures"]["durable_gb_per_s"] for r in f.rec.select("save", system=limit)
-    }
-    ratios = [
-        r["figures"]["durable_gb_per_s"] / base[r["round"]]
-        for r in f.rec.select("save", system=OURS_FULL)
-        if base.get(r["round"])
-    ]
-    if not ratios:
-        return None, "needs save"
-    return min(ratios), "per round: " + ", ".join(f"{x:.2f}" for x in ratios)
 
 
 def _safe_limit(f: _Figures) -> tuple[float | None, str]:
@@ -916,15 +827,15 @@ TARGETS = [
         limit=_safe_limit,
     ),
     Target(
-        "durable throughput: ours async / parallel write+fsync limit",
+        "durable throughput: ours async / best writer's write+fsync limit",
         ">= 0.9",
-        _durable_vs_limit,
+        disk_limit.durable_vs_limit,
         lambda v: v >= 0.9,
     ),
     Target(
         "durable throughput, worst round: ours / limit of the same round",
         ">= 0.9",
-        _durable_every_round,
+        disk_limit.durable_every_round,
         lambda v: v >= 0.9,
     ),
     Target(
@@ -968,13 +879,10 @@ TARGETS = [
         lambda v: v >= 1.5,
     ),
     Target(
-        "training overhead: ours / stock async",
-        f"<= {TRAIN_RATIO}",
-        lambda f: _ratio_value(
-            _overheads(f, train.OURS), _overheads(f, train.STOCK_ASYNC), "needs train"
-        ),
-        lambda v: v <= TRAIN_RATIO,
-        limit=lambda f: _training_limit(f),
+        "training overhead: ours / the floor's, same cycles",
+        f"<= {TRAIN_FLOOR_RATIO}",
+        _training_vs_floor,
+        lambda v: v <= TRAIN_FLOOR_RATIO,
     ),
 ]
 
@@ -995,6 +903,7 @@ def summary(rec: Recorder) -> str:
     f = _Figures(rec)
     parts = [
         limits_table(f),
+        disk_limit.sweep_table(rec),
         save_table(f),
         load_table(f),
         train_table(f),

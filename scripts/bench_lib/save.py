@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import limits, state, systems
+from . import disk_limit, limits, state, systems
 from .common import GB, RESULT_PREFIX, PeakRSS, Recorder, alternate, dir_bytes, fresh_dir, log, rss
 
 BENCH = Path(__file__).resolve().parents[1] / "bench.py"
@@ -31,11 +31,6 @@ LIMIT = "limit"
 #: The systems whose save processes also time ``limits.state_copy`` (the safe target's limit).
 COPY_LIMIT_KEYS = ("ours-async-1", "stock-stager")
 SETTLE_S = 0.3
-
-
-def limit_system(writers: int, *, direct: bool = False) -> str:
-    name = limits.direct_limit_name if direct else limits.write_limit_name
-    return f"raw {name(writers)}"
 
 
 def _settled_rss() -> int:
@@ -159,7 +154,6 @@ def run(
     tensors: int,
     rounds: int,
     saves: int,
-    writers: int,
     isolate: bool,
     keys: list[str],
 ) -> None:
@@ -176,19 +170,9 @@ def run(
             batches = [[LIMIT], together] if r % 2 == 0 else [together, [LIMIT]]
         for batch in batches:
             if batch == [LIMIT]:
-                # The page-cache limit (what the target compares with) and, where the file
-                # system takes it, the O_DIRECT one (how our data files are written), in turn.
-                modes = [False, True] if limits.direct_supported(workdir) else [False]
-                for direct in alternate(modes, r):
-                    s = limits.write_fsync(workdir, state_bytes, writers, direct=direct)
-                    rec.emit(
-                        "save",
-                        limit_system(writers, direct=direct),
-                        {"durable_s": s, "durable_gb_per_s": state_bytes / GB / s},
-                        bytes=state_bytes,
-                        writers=writers,
-                        round=r,
-                    )
+                # The disk's write limit of this round: the best of a sweep of ways to write
+                # and fsync the same bytes, ours among them (disk_limit.py).
+                disk_limit.emit_best(rec, workdir, state_bytes, r)
                 continue
             log(f"  round {r}: {', '.join(batch)}")
             for report in _spawn(batch, nbytes, tensors, saves, workdir):

@@ -1,0 +1,183 @@
+"""What a :class:`~dcp_datastates.Checkpointer` does with its memory tier: where a save goes,
+when the flush to disk starts, and the order a restart tries the tiers in.
+
+One commit rule for both tiers: a step is loadable from a tier when it is committed there
+(``.metadata``) on every rank's view of it. A restart tries steps newest first and, for each
+step, memory before the durable root; a place that is incomplete, committed on only some
+ranks, or fails to load (a record's checksum) is passed over with a log line naming the tier,
+the directory and why. Every rank tries the same list, agreeing on each try (``resume.py``), so
+no rank loads a mix of steps.
+
+May import: ``load``, ``storage`` and the leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as dist
+
+from . import resume
+from .memflush import Flusher
+from .memory import MemoryTier, Segment
+
+logger = logging.getLogger(__name__)
+
+MEMORY, DURABLE = "memory", "durable"
+
+
+class MemorySide:
+    """A checkpointer's memory tier on this rank: its segment and its flusher.
+
+    Args:
+        tier: The options.
+        root: The checkpointer's durable root.
+        rank / world: This rank and the number of ranks.
+        group: A gloo group for the flusher alone (None without a process group).
+        on_durable: Rank 0, once a step is durable (``latest``, retention).
+        on_error: Called with a flush's error (from the flush thread).
+        flusher_class: The :class:`Flusher` to make (a test's subclass blocks the disk).
+    """
+
+    def __init__(
+        self,
+        tier: MemoryTier,
+        root: str,
+        rank: int,
+        world: int,
+        group: dist.ProcessGroup | None,
+        on_durable: Callable[[int], None],
+        on_error: Callable[[BaseException], None],
+        flusher_class: type[Flusher] = Flusher,
+    ) -> None:
+        self.tier, self.root, self.rank, self.world = tier, root, rank, world
+        self.segment = Segment(tier, root, rank, world)
+        self.flusher = flusher_class(self.segment, root, rank, group, on_durable, on_error)
+
+    @classmethod
+    def open(
+        cls,
+        tier: MemoryTier,
+        root: str,
+        ranks: resume.Ranks,
+        on_durable: Callable[[int], None],
+        on_error: Callable[[BaseException], None],
+        flusher_class: type[Flusher] = Flusher,
+    ) -> MemorySide | None:
+        """The memory tier of a checkpointer on ``ranks`` (collective: its flusher's group),
+        or None when some rank cannot use its segment (said why)."""
+        group = ranks.vote_group
+        world = dist.get_world_size(group) if group is not None else 1
+        flush_group = dist.new_group(backend="gloo") if group is not None else None
+        side = cls(tier, root, ranks.rank, world, flush_group, on_durable, on_error, flusher_class)
+        return side if side.agree_usable(ranks) else None
+
+    def load_newest(
+        self,
+        order: list[int],
+        app_state: dict[str, Any],
+        reader_options: dict[str, Any],
+        ranks: resume.Ranks,
+    ) -> int | None:
+        """``Checkpointer.load_latest`` with the memory tier: rank 0's durable ``order``, the
+        memory steps, tried newest first (see the module docstring)."""
+        places = self.candidates(ranks.from_rank_0(order), ranks)
+        found = resume.load_first(places, app_state, reader_options, ranks)
+        self.after_load(found)
+        return None if found is None else found.step
+
+    def agree_usable(self, ranks: resume.Ranks) -> bool:
+        """Whether every rank can use its segment (one all-reduce); logs why not."""
+        if not ranks.failing(not self.segment.usable):
+            return True
+        if self.segment.problem is not None:
+            logger.warning(
+                "rank %d: the memory tier is off: %s; saving to %s directly",
+                self.rank,
+                self.segment.problem,
+                self.root,
+            )
+        self.close(remove=False)
+        return False
+
+    def step_path(self, step: int) -> str:
+        return self.segment.step_path(step)
+
+    def before_save(self) -> None:
+        self.flusher.make_room(self.tier.keep)
+
+    def flush(self, step: int) -> Future[None]:
+        return self.flusher.submit(step)
+
+    def bytes_held(self) -> int:
+        return self.segment.bytes_held()
+
+    # -- restart ------------------------------------------------------------------------------
+    def candidates(self, durable_order: list[int], ranks: resume.Ranks) -> list[resume.Candidate]:
+        """Every place to try, newest step first and memory before disk for one step; the same
+        list on every rank (one all-gather of what each rank's memory holds)."""
+        self.segment.drop_uncommitted()
+        mine: dict[int, str | None] = {}
+        unusable = self.segment.problem
+        if unusable is None and self.segment.saved_world not in (None, self.world):
+            unusable = (
+                f"it holds a save of {self.segment.saved_world} ranks and this run has "
+                f"{self.world} (resharding from memory is not supported)"
+            )
+        if unusable is None:
+            for step in self.segment.committed_steps():
+                try:
+                    missing = self.segment.missing_files(step)
+                except Exception as exc:  # an unreadable .metadata: fails the same on load
+                    mine[step] = f"its {self.segment.step_path(step)} is unreadable: {exc}"
+                    continue
+                mine[step] = (
+                    f"incomplete on this node: {len(missing)} data file(s) missing, such as "
+                    f"{missing[0]} (written on another node; no peer copy)"
+                    if missing
+                    else None
+                )
+        views: list[Any] = [(unusable, mine)]
+        if ranks.vote_group is not None:
+            views = [None] * dist.get_world_size(ranks.vote_group)
+            dist.all_gather_object(views, (unusable, mine), group=ranks.vote_group)
+        problems = sorted({u for u, _ in views if u is not None})
+        if problems:
+            logger.warning(
+                "rank %d: the memory tier %s is not used: %s; resuming from the durable tier %s",
+                self.rank,
+                self.segment.root,
+                "; ".join(problems),
+                self.root,
+            )
+            memory_steps: set[int] = set()
+        else:
+            memory_steps = {s for _, held in views for s in held}
+        found = [
+            resume.Candidate(
+                s, MEMORY, self.segment.root, mine.get(s, "not committed in this node's memory")
+            )
+            for s in memory_steps
+        ]
+        found += [resume.Candidate(s, DURABLE, self.root) for s in durable_order]
+        # The durable order is `latest` first: keep it among the durable ones of one step.
+        return sorted(found, key=lambda c: (-c.step, c.tier != MEMORY))
+
+    def after_load(self, loaded: resume.Candidate | None) -> None:
+        """Keep only the memory step just loaded (a newer one did not load on every rank, an
+        older one is superseded); flush it when it came from memory (it may not be durable)."""
+        keep = loaded.step if loaded is not None and loaded.tier == MEMORY else None
+        for step in self.segment.committed_steps():
+            if step != keep:
+                self.segment.delete_step(step)
+        self.segment.claim_world(self.root)
+        if keep is not None:
+            self.flush(keep)
+
+    def close(self, *, remove: bool) -> None:
+        self.flusher.close()
+        if remove:
+            self.segment.remove()

@@ -1,0 +1,216 @@
+"""The coordinator's global plan, in time that grows with the items, and a plan cache per writer.
+
+DCP's ``DefaultSavePlanner.create_global_plan`` dedups the ranks' plans, makes the metadata and
+then validates it (``_validate_global_plan``): its overlap check sweeps each tensor's chunks along
+the tensor's *largest* dimension, and FSDP2 shards along the first, so for every weight wider
+than it is tall (``down_proj``, grouped-query ``k_proj``/``v_proj``) all chunks overlap on the
+sweep and each is compared with every other: W^2/2 box checks per tensor. The simulator
+(``python scripts/bench.py simulate``) puts that at minutes per save on 4,096 ranks of a 70B
+model. :func:`validate_global_plan` makes the same checks sweeping the dimension whose chunk
+offsets take the most distinct values (the sharded one).
+
+:class:`GlobalPlanMemo` is DCP's ``enable_plan_caching`` done per writer (DCP keeps its cache on
+the planner *class*, shared by every writer of the process): a rank whose local plan is the one
+of its save before (a replay keeps the plan object, ``planner.replans_to``) sends an empty,
+unusable plan carrying the token of the global plan it was finished with; a coordinator holding
+that global plan hands back the cached plans and a fresh copy of the cached metadata, with no
+planning at all. A rank replans whenever its last save did not reach ``finish_plan``, and the
+coordinator refuses a token it does not hold, so a cache can never pair the metadata of one
+global plan with the write plans of another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import uuid
+from bisect import bisect_right, insort
+from collections.abc import Sequence
+
+from torch.distributed.checkpoint import default_planner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan
+
+from .. import _dcp_private
+from ..errors import WriterUsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanToken:
+    """``planner_data`` of the plans a coordinator finished (and of a rank's unchanged plan):
+    which global plan they belong to."""
+
+    token: str
+
+
+def plan_globally(all_plans: Sequence[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+    """DCP's global plan of ``all_plans`` (dedup, index hints, metadata with the merged
+    flattening mappings), validated by :func:`validate_global_plan`."""
+    deduped = _dcp_private.dedup_save_plans(list(all_plans), False)
+    global_plan, metadata = default_planner.create_default_global_save_plan(deduped)
+    merged: dict = {}
+    for plan in reversed(global_plan):  # DCP's ChainMap: the first rank's mapping wins
+        if plan.planner_data:
+            merged.update(plan.planner_data)
+    metadata = dataclasses.replace(metadata, planner_data=merged)
+    errors = validate_global_plan(global_plan, metadata)
+    if errors:
+        summary = "; ".join(errors)
+        summary = summary[:500] + "... (truncated)" if len(summary) > 500 else summary
+        raise ValueError(f"Failed to validate global plan: {summary}")
+    return global_plan, metadata
+
+
+def validate_global_plan(global_plan: Sequence[SavePlan], metadata: Metadata) -> list[str]:
+    """DCP's ``_validate_global_plan`` checks (every chunk inside its tensor, no two chunks
+    overlapping, the chunks covering the tensor when several ranks saved it), with the overlap
+    sweep along the dimension that separates the chunks most."""
+    errors: list[str] = []
+    for key, value in metadata.state_dict_metadata.items():
+        if isinstance(value, BytesStorageMetadata) or len(value.size) == 0:
+            continue
+        size, chunks = tuple(value.size), value.chunks
+        volume = 0
+        for chunk in chunks:
+            offsets, sizes = chunk.offsets, chunk.sizes
+            if any(
+                o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, size, strict=True)
+            ):
+                errors.append(
+                    f"key:{key} has out of bounds chunk: tensor-size:{value.size} chunk: {chunk}"
+                )
+            volume += math.prod(sizes)
+        if len(chunks) > 1:
+            errors += _overlaps(key, chunks)
+        if len(global_plan) > 1 and volume != math.prod(size):
+            errors.append(
+                f"key:{key} invalid fill tensor-volume: {math.prod(size)} chunks-volume: {volume}"
+            )
+    return errors
+
+
+def _overlaps(key: str, chunks: Sequence[ChunkStorageMetadata]) -> list[str]:
+    dims = len(chunks[0].offsets)
+    sweep = max(range(dims), key=lambda d: len({c.offsets[d] for c in chunks}))
+    order = sorted(range(len(chunks)), key=lambda i: (chunks[i].offsets[sweep], *chunks[i].offsets))
+    errors = []
+    active: list[tuple[int, int]] = []  # (end on the sweep, index), sorted
+    for i in order:
+        current = chunks[i]
+        start = current.offsets[sweep]
+        cutoff = bisect_right(active, (start, sys.maxsize))
+        if cutoff:
+            del active[:cutoff]
+        for _, j in active:
+            other = chunks[j]
+            if all(
+                a < b + m and b < a + n
+                for a, n, b, m in zip(
+                    current.offsets, current.sizes, other.offsets, other.sizes, strict=True
+                )
+            ):
+                errors.append(f"key:{key} has overlapping chunks: {current} {other}")
+        insort(active, (start + current.sizes[sweep], i))
+    return errors
+
+
+class GlobalPlanMemo:
+    """One writer's plan cache: its rank's last local and final plan, and on the coordinator
+    the last global plan (module docstring). Saves of one writer run one planning at a time per
+    rank (``path_turns``); each part is one reference, swapped whole."""
+
+    def __init__(self) -> None:
+        #: This rank's (local plan, final plan, token) of its last save that planned.
+        self._rank: tuple[SavePlan, SavePlan, str] | None = None
+        #: Saves that entered create_local_plan and finish_plan: unequal when one failed in
+        #: between (or overlaps): this rank then sends its whole plan, the safe side.
+        self._started = self._finished = 0
+        #: The coordinator's (all local plans, global plan, metadata, token).
+        self._global: tuple[list[SavePlan], list[SavePlan], Metadata, str] | None = None
+        #: Global plans this coordinator made, and served from the cache (for tests, stats).
+        self.made = self.served = 0
+
+    # -- every rank ---------------------------------------------------------------------------
+    def local(self, plan: SavePlan) -> SavePlan:
+        """What this rank sends the coordinator for ``plan``: an empty plan naming the cached
+        global plan when ``plan`` is the local plan that one was made from, and no other save
+        of this writer is planning or failed while planning."""
+        if self._started != self._finished:
+            self._rank = None
+            self._finished = self._started
+        self._started += 1
+        cached = self._rank
+        if cached is not None and cached[0] is plan:
+            return SavePlan([], planner_data=PlanToken(cached[2]), usable=False)
+        return plan
+
+    def finish(self, central: SavePlan, local: SavePlan) -> SavePlan:
+        """This rank's final plan (``local``: its local plan): the coordinator's, or the
+        cached one it points to."""
+        self._finished += 1
+        token = central.planner_data.token if isinstance(central.planner_data, PlanToken) else None
+        if central.usable:
+            self._rank = None if token is None else (local, central, token)
+            return central
+        cached = self._rank
+        if cached is None or cached[2] != token:
+            self._rank = None
+            raise WriterUsageError(
+                "the coordinator answered with a cached global plan this rank does not hold; "
+                "save again (every rank then sends its whole plan)"
+            )
+        return cached[1]
+
+    # -- the coordinator ----------------------------------------------------------------------
+    def plan(self, all_plans: Sequence[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """The global plan of ``all_plans``: cached where every rank's plan is unchanged,
+        made again (from the cached plans of the unchanged ranks) where some changed."""
+        cached = self._global
+        unchanged = [i for i, p in enumerate(all_plans) if not p.usable]
+        if unchanged:
+            tokens = {getattr(all_plans[i].planner_data, "token", None) for i in unchanged}
+            if cached is None or len(cached[0]) != len(all_plans) or tokens != {cached[3]}:
+                self._global = None
+                raise WriterUsageError(
+                    f"ranks {unchanged[:4]} sent a cached plan the coordinator does not hold "
+                    "(a save failed part way, or the ranks' writers differ); save again: every "
+                    "rank then sends its whole plan"
+                )
+            if len(unchanged) == len(all_plans):
+                # The ranks' own empty plans: their storage_data names this save's checkpoint,
+                # which the writer's global step compares across ranks.
+                self.served += 1
+                return list(all_plans), _fresh(cached[2])
+            all_plans = [
+                p if p.usable else dataclasses.replace(cached[0][i], storage_data=p.storage_data)
+                for i, p in enumerate(all_plans)
+            ]
+        self._global = None  # replaced only by a plan that succeeded
+        global_plan, metadata = plan_globally(all_plans)
+        self.made += 1
+        token = uuid.uuid4().hex
+        mark = PlanToken(token)
+        global_plan = [dataclasses.replace(p, planner_data=mark) for p in global_plan]
+        self._global = (list(all_plans), global_plan, _fresh(metadata), token)
+        return global_plan, metadata
+
+    def forget(self) -> None:
+        self._rank = self._global = None
+
+
+def _fresh(metadata: Metadata) -> Metadata:
+    """A ``Metadata`` of its own for one save: ``finish`` sets its ``storage_data`` and
+    ``version``, and each save's result is that save's. The per-item entries, which nothing
+    changes once planned, are shared; the dicts holding them are not."""
+    planner_data = metadata.planner_data
+    return dataclasses.replace(
+        metadata,
+        state_dict_metadata=dict(metadata.state_dict_metadata),
+        planner_data=dict(planner_data) if isinstance(planner_data, dict) else planner_data,
+        storage_data=None,
+    )
