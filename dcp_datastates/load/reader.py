@@ -28,18 +28,17 @@ import logging
 import os
 import pickle
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from crc32c import crc32c
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .._concurrency.futures import completed
-from .._dcp_private import ExtensionRegistry, StreamTransformExtension, set_element
+from .._dcp_private import ExtensionRegistry
 from ..errors import CheckpointNotCommittedError, ChecksumMismatchError, unknown_options
 from ..format import (
     DATA_SUFFIX,
@@ -53,6 +52,7 @@ from ..format import (
     metadata_name,
 )
 from ..storage.base import LocalStorage, storage_for
+from .decode import FRAME_SLACK, set_loaded_object, transform_from
 from .fetch import Fetch, FetchOptions, Record
 from .object_records import MISS, fast_load
 from .safety import check_extents, check_object_record, check_relative_path, load_metadata
@@ -387,8 +387,8 @@ class DataStatesReader(StorageReader):
         limit = None
         if record.saved is not None:  # a tensor record: its data plus a small zip frame
             dtype, sizes = record.saved
-            limit = torch.Size(sizes).numel() * dtype.itemsize + _FRAME_SLACK
-        return _transform_from(extensions, raw, where, limit)
+            limit = torch.Size(sizes).numel() * dtype.itemsize + FRAME_SLACK
+        return transform_from(extensions, raw, where, limit)
 
     def _record(self, index: MetadataIndex) -> RecordInfo | None:
         if self.manifest is None:
@@ -406,13 +406,13 @@ class DataStatesReader(StorageReader):
     def _load_bytes(self, name: str, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
         if self.trusted:
             value = fast_load(blob)  # plain data: no torch.load (trusted or not, same value)
-            if value is MISS or not _set_loaded_object(planner, req, value):
+            if value is MISS or not set_loaded_object(planner, req, value):
                 planner.load_bytes(req, io.BytesIO(blob))
             return
         # DefaultLoadPlanner.load_bytes calls torch.load(weights_only=False): load the record
         # with the weights-only unpickler first, so that a safe load never runs its globals.
         value = check_object_record(blob, self.storage.describe(name), req.storage_index.fqn)
-        if not _set_loaded_object(planner, req, value):
+        if not set_loaded_object(planner, req, value):
             planner.load_bytes(req, io.BytesIO(blob))  # another planner: let it deserialize
 
 
@@ -427,49 +427,3 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if collecting:
             gc.enable()
-
-
-#: Bytes a decoded tensor record may hold beyond its data (torch.save's zip entries and pickle).
-_FRAME_SLACK = 1 << 20
-
-
-def _transform_from(
-    extensions: Sequence[Any], raw: memoryview, where: str, limit: int | None
-) -> bytes:
-    """``raw`` through the extensions' ``transform_from``; at most ``limit`` bytes come out (a
-    record that decompresses to more is refused before it fills memory)."""
-    stream: Any = io.BytesIO(raw)
-    try:
-        for ex in extensions:
-            if isinstance(ex, StreamTransformExtension):
-                stream = ex.transform_from(stream)
-        if limit is None:
-            return stream.read(-1)
-        out = bytearray()
-        while len(out) <= limit:
-            block = stream.read(min(_FRAME_SLACK, limit + 1 - len(out)))
-            if not block:
-                return bytes(out)
-            out += block
-    except Exception as exc:
-        raise ChecksumMismatchError(
-            f"{where}: its record does not decode through {[type(e).__name__ for e in extensions]}"
-            f" ({type(exc).__name__}: {exc}); the checkpoint is damaged"
-        ) from exc
-    raise ChecksumMismatchError(
-        f"{where}: its record decodes to more than {limit} bytes, more than the tensor it holds "
-        "needs; refusing to decode it further (the checkpoint is damaged or hostile)"
-    )
-
-
-def _set_loaded_object(planner: LoadPlanner, req: ReadItem, value: Any) -> bool:
-    """Do what ``DefaultLoadPlanner.load_bytes`` does with an object already loaded (safely),
-    instead of deserializing it a second time; only for exactly that planner."""
-    if type(planner) is not DefaultLoadPlanner:
-        return False
-    fqn = req.dest_index.fqn
-    if planner.flatten_state_dict:
-        set_element(planner.original_state_dict, planner.mappings[fqn], value)
-    else:
-        planner.state_dict[fqn] = value
-    return True
