@@ -28,7 +28,7 @@ import logging
 import os
 import pickle
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +52,8 @@ from ..format import (
     metadata_name,
 )
 from ..storage.base import LocalStorage, storage_for
+from .coop import COOP_ROUND_BYTES, CooperativeRead, cooperative_group_fits
+from .coop_plan import Schedule, plan_cooperative
 from .decode import FRAME_SLACK, set_loaded_object, transform_from
 from .fetch import Fetch, FetchOptions, Record
 from .object_records import MISS, fast_load
@@ -79,6 +81,12 @@ class DataStatesReader(StorageReader):
             checks raises :class:`~dcp_datastates.errors.UnsafeCheckpointError`.
         storage_options: Keyword arguments for the fsspec file system of a URL path (for
             ``s3://``: ``endpoint_url``, ``key``, ``secret``, ...; see ``docs/storage.md``).
+        cooperative: Read each record once among the ranks (:mod:`~dcp_datastates.load.coop`):
+            where several ranks need the same record (replicas, replicated state, overlapping
+            shards when resharding), one reads it and sends the others their part over
+            ``process_group``. The coordinator's reader decides; its group must take CPU
+            tensors (gloo, or ``cpu:gloo,cuda:nccl``), else the load reads as usual.
+        process_group: The group ``dcp.load`` runs on (default: the default group).
     """
 
     def __init__(
@@ -90,6 +98,8 @@ class DataStatesReader(StorageReader):
         io_workers: int = 4,
         trusted: bool = False,
         storage_options: dict[str, Any] | None = None,
+        cooperative: bool = False,
+        process_group: Any = None,
         **unknown: Any,
     ) -> None:
         super().__init__()
@@ -98,7 +108,7 @@ class DataStatesReader(StorageReader):
             raise unknown_options("DataStatesReader", sorted(unknown), known[1:])
         if not isinstance(io_workers, int) or isinstance(io_workers, bool) or io_workers < 1:
             raise ValueError(f"io_workers must be an int of at least 1, got {io_workers!r}")
-        for name, value in (("verify", verify), ("trusted", trusted)):
+        for name, value in (("verify", verify), ("trusted", trusted), ("cooperative", cooperative)):
             if not isinstance(value, bool):  # "no" would be truthy: verify on, trust on
                 raise ValueError(f"DataStatesReader({name}={value!r}): must be True or False")
         self.path = os.fspath(path)
@@ -112,6 +122,8 @@ class DataStatesReader(StorageReader):
         self.rank: int | None = None  # set by read_metadata(rank=) / set_up_storage_reader
         self.use_collectives = True
         self.storage_options = storage_options
+        self.cooperative = cooperative
+        self.process_group = process_group
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -327,7 +339,13 @@ class DataStatesReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        if not self.cooperative or len(plans) < 2 or self.metadata is None:
+            return plans
+        if not cooperative_group_fits(self.process_group, len(plans)):
+            return plans
+        return plan_cooperative(
+            plans, self.metadata, self.record_length, round_bytes=COOP_ROUND_BYTES
+        )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         try:
@@ -338,10 +356,25 @@ class DataStatesReader(StorageReader):
         return completed(None)
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        if isinstance(plan.storage_data, Schedule):  # the coordinator planned a cooperative load
+            CooperativeRead(self, plan, planner, plan.storage_data, self.process_group).run()
+            return
+        fetch, targets = self.fetch_items(plan.items, planner)
+        self.commit_items(fetch, targets, planner)
+
+    def fetch_items(
+        self,
+        items: Sequence[ReadItem],
+        planner: LoadPlanner,
+        resolved: dict[ReadItem, torch.Tensor] | None = None,
+    ) -> tuple[Fetch, dict[ReadItem, torch.Tensor]]:
+        """Read ``items`` from storage into their targets: ``resolved``'s, else the planner's
+        (a cooperative load passes staging tensors for regions it reads for other ranks)."""
         assert self.metadata is not None
+        resolved = resolved or {}
         records: dict[tuple[str, int], Record] = {}
         targets: dict[ReadItem, torch.Tensor] = {}
-        for req in plan.items:
+        for req in items:
             sinfo = self.metadata.storage_data[req.storage_index]
             record = records.get((sinfo.relative_path, sinfo.offset))
             if record is None:
@@ -361,16 +394,34 @@ class DataStatesReader(StorageReader):
             record.reqs.append(req)
             if req.type != LoadItemType.BYTE_IO:
                 # Resolved here, on DCP's thread: planners need not be thread-safe.
-                targets[req] = planner.resolve_tensor(req).detach()
+                target = resolved.get(req)
+                targets[req] = planner.resolve_tensor(req).detach() if target is None else target
         fetch = Fetch(
             self.storage, list(records.values()), targets, self.fetch_options, self._decode
         )
         fetch.run()
+        return fetch, targets
+
+    def commit_items(
+        self,
+        fetch: Fetch,
+        targets: dict[ReadItem, torch.Tensor],
+        planner: LoadPlanner,
+        skip: Collection[ReadItem] = (),
+    ) -> None:
+        """Hand what ``fetch`` read to the planner (all but ``skip``'s items)."""
         for req, target in targets.items():
-            planner.commit_tensor(req, target)
+            if req not in skip:
+                planner.commit_tensor(req, target)
         for req, blob in fetch.blobs.items():
-            name = self.metadata.storage_data[req.storage_index].relative_path
-            self._load_bytes(name, req, blob, planner)
+            if req not in skip:
+                self.load_object(req, blob, planner)
+
+    def record_length(self, index: MetadataIndex) -> int:
+        """Bytes of the record that holds item ``index`` (what reading it costs)."""
+        assert self.metadata is not None
+        info = self._record(index)
+        return info.length if info else self.metadata.storage_data[index].length
 
     def _decode(self, record: Record, raw: memoryview) -> bytes:
         """A record that stock ``FileSystemWriter`` wrote through stream transforms
@@ -403,7 +454,10 @@ class DataStatesReader(StorageReader):
                 return md.properties.dtype, chunk.sizes  # type: ignore[union-attr]
         raise KeyError(f"no saved chunk of {index.fqn!r} at offset {tuple(index.offset)}")
 
-    def _load_bytes(self, name: str, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
+    def load_object(self, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
+        """An object item's record (``blob``) into the planner's state, safely unless trusted."""
+        assert self.metadata is not None
+        name = self.metadata.storage_data[req.storage_index].relative_path
         if self.trusted:
             value = fast_load(blob)  # plain data: no torch.load (trusted or not, same value)
             if value is MISS or not set_loaded_object(planner, req, value):
