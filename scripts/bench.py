@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_lib import (
+    coop,
     cow,
     forward,
     limits,
@@ -41,8 +42,9 @@ from bench_lib import (
 from bench_lib.common import GB, Recorder, log
 
 SCENARIOS = ["limits", "save", "load", "train", "forward", "cow", "scaling", "ranks"]
-#: Run only when named (not in "all"): they need the s3 extra and moto.
-EXTRA_SCENARIOS = ["objstore"]
+#: Run only when named (not in "all"): objstore needs the s3 extra and moto; coopload (four
+#: gloo ranks loading one replicated state) holds the state four times.
+EXTRA_SCENARIOS = ["objstore", "coopload"]
 
 #: Defaults of the full run and of --quick; an option given on the command line wins over both.
 FULL: dict[str, Any] = {
@@ -78,6 +80,7 @@ FULL: dict[str, Any] = {
     "scale_count_gb": 0.1,
     "scale_repeat_s": 4.0,
     "ranks_gb": 1.0,
+    "coop_gb": 1.0,
     "s3_gb": 0.5,
     "ranks_worlds": "2,4",
 }
@@ -114,6 +117,7 @@ QUICK: dict[str, Any] = {
     # Never reached at these sizes: every system saves its full count (the test counts them).
     "scale_repeat_s": 60.0,
     "ranks_gb": 0.01,
+    "coop_gb": 0.01,
     "s3_gb": 0.02,
     "ranks_worlds": "2",
 }
@@ -194,6 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--s3-gb", type=float, help="state size of the objstore scenario, GB")
     g.add_argument("--ranks-gb", type=float, help="state size of the ranks save, all ranks")
     g.add_argument("--ranks-worlds", help="comma-separated rank counts of the ranks scenario")
+    g.add_argument("--coop-gb", type=float, help="replicated state size of the coopload loads")
     return p
 
 
@@ -221,6 +226,7 @@ def _scratch_bytes(args: argparse.Namespace, wanted: list[str]) -> int:
         "scaling": max(float(x) for x in args.scale_sizes.split(",")),
         "ranks": args.ranks_gb,
         "objstore": args.s3_gb,
+        "coopload": args.coop_gb,
     }
     return int(2 * max((sizes.get(s, 0.0) for s in wanted), default=0.0) * GB)
 
@@ -341,6 +347,16 @@ def _run(args: argparse.Namespace) -> int:
                     tensors=args.tensors,
                     rounds=args.rounds,
                 )
+            elif scenario == "coopload":
+                coop.run(
+                    rec,
+                    workdir=args.dir,
+                    nbytes=int(args.coop_gb * GB),
+                    tensors=args.tensors,
+                    rounds=args.rounds,
+                    timeout=120 if args.quick else 600,
+                    cold=cold,
+                )
             elapsed[scenario] = time.monotonic() - t0
             log(f"{scenario}: {elapsed[scenario]:.1f} s")
     finally:
@@ -352,6 +368,7 @@ def _run(args: argparse.Namespace) -> int:
         rec.note(f"timeline picture: {png}")
     text = report.summary(rec)
     text += objstore.table(rec)
+    text += coop.table(rec)
     text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
     text += f"; total {time.monotonic() - started:.0f} s.\n"
     (args.out / "summary.md").write_text(text)
@@ -373,6 +390,10 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "_rank-worker":  # internal: one rank of the ranks scenario
         rank, world, port, workdir, args = argv[1:6]
         ranks.worker(int(rank), int(world), int(port), Path(workdir), json.loads(args))
+        return 1  # not reached: the worker leaves through os._exit
+    if argv and argv[0] == "_coop-worker":  # internal: one rank of the coopload scenario
+        rank, world, port, workdir, args = argv[1:6]
+        coop.worker(int(rank), int(world), int(port), Path(workdir), json.loads(args))
         return 1  # not reached: the worker leaves through os._exit
     return _run(_parser().parse_args(argv))
 
