@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from .._platform import cuda as _cuda
-from .hostmem import SLICE_BYTES, PopulatedBuffer
+from .hostmem import POPULATE_THREADS, SLICE_BYTES, PopulatedBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -97,18 +97,43 @@ class HostPool:
             self._populator.start()
 
     def _populate(self) -> None:
+        """Fault the pool in, slice by slice from the front, on ``POPULATE_THREADS`` threads
+        (this one and helpers): one thread faulted 1.3 GB/s where stock's first copy, whose
+        OpenMP team faults its fresh tensors on every core, beat our first save."""
         buffer = self._populating
         assert buffer is not None
+        cursor = [0]
+        done: set[int] = set()
+
+        def work() -> None:
+            try:
+                while True:
+                    with self._cond:
+                        at = cursor[0]
+                        if self._closing or at >= self.capacity:
+                            return
+                        cursor[0] += SLICE_BYTES
+                    buffer.populate(at, min(SLICE_BYTES, self.capacity - at))
+                    with self._cond:  # the front grows over the slices done, in order
+                        done.add(at)
+                        while self._ready in done:
+                            done.discard(self._ready)
+                            self._ready = min(self.capacity, self._ready + SLICE_BYTES)
+                        self._cond.notify_all()
+            except BaseException:  # never let an error die here: copies fault pages in themselves
+                logger.warning("populating the host pool failed; copies fault it in", exc_info=True)
+
+        helpers = [
+            threading.Thread(target=work, name=f"datastates-populate-{i}", daemon=True)
+            for i in range(1, min(POPULATE_THREADS, -(-self.capacity // SLICE_BYTES)))
+        ]
         try:
-            while self._ready < self.capacity and not self._closing:
-                n = min(SLICE_BYTES, self.capacity - self._ready)
-                buffer.populate(self._ready, n)
-                with self._cond:
-                    self._ready += n
-                    self._cond.notify_all()
-        except BaseException:  # never let an error die here: copies fault pages in themselves
-            logger.warning("populating the host pool failed; copies fault it in", exc_info=True)
+            for helper in helpers:
+                helper.start()
+            work()
         finally:
+            for helper in helpers:
+                helper.join()  # before the whole pool is declared ready: none writes it after
             with self._cond:
                 self._ready = self.capacity
                 self._cond.notify_all()
