@@ -39,11 +39,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from .._concurrency.futures import completed
 from .._dcp_private import ExtensionRegistry
-from ..errors import CheckpointNotCommittedError, ChecksumMismatchError, unknown_options
+from ..errors import ChecksumMismatchError, unknown_options
 from ..format import (
-    DATA_SUFFIX,
-    METADATA_NAME,
-    RANK_METADATA,
     RecordInfo,
     committed_with_manifest,
     decode_manifest_full,
@@ -58,7 +55,7 @@ from .decode import FRAME_SLACK, set_loaded_object, transform_from
 from .fetch import Fetch, FetchOptions, Record
 from .object_records import MISS, fast_load
 from .safety import check_extents, check_object_record, check_relative_path, load_metadata
-from .step_dirs import checkpoints_inside
+from .step_dirs import not_committed
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +162,7 @@ class DataStatesReader(StorageReader):
     def _read_metadata(self, rank: int | None) -> Metadata:
         name = metadata_name(rank)
         if not self.storage.exists(name):
-            raise self._not_committed(name)
+            raise not_committed(self.storage, self.path, name)
         with self.storage.open_read(name) as f:
             blob = f.read()
         if self._metadata_rank != rank:
@@ -292,38 +289,6 @@ class DataStatesReader(StorageReader):
                 check_relative_path(self.storage, name)
                 checked.add(name)
         check_extents(self.storage, records)
-
-    def _not_committed(self, name: str) -> CheckpointNotCommittedError:
-        names = self.storage.list_names()
-        if not names:  # a typo in the path is not a save that did not finish (a user sweep)
-            return CheckpointNotCommittedError(
-                f"there is no checkpoint at {self.path}: the directory does not exist or is "
-                "empty; check the path"
-            )
-        if name != METADATA_NAME and METADATA_NAME in names:
-            # dcp.load asks for __{rank}.metadata only after reading .metadata failed: saying
-            # "not committed" here hid a damaged checkpoint's cause behind a wrong one.
-            return CheckpointNotCommittedError(
-                f"{self.path} has no {name}: it was committed with collectives, in "
-                f"{METADATA_NAME} (read_metadata() without rank); dcp.load asks for {name} "
-                f"only after reading {METADATA_NAME} failed, and that error says why"
-            )
-        found = [n for n in names if n.endswith(DATA_SUFFIX)]
-        if not found and (inside := checkpoints_inside(self.storage, names, verb="load")):
-            return CheckpointNotCommittedError(
-                f"{self.path} is not a checkpoint, but it holds checkpoint directories: {inside}"
-            )
-        per_rank = sorted(n for n in names if RANK_METADATA.match(n))
-        hint = (
-            f"; it has per-rank commit records ({', '.join(per_rank[:4])}) of a save with "
-            "use_collectives=False, which dcp.load reads by itself (read_metadata(rank=R))"
-            if per_rank and name == METADATA_NAME
-            else ". The save that wrote it did not finish; load an earlier checkpoint"
-        )
-        return CheckpointNotCommittedError(
-            f"{self.path} is not a committed checkpoint: it has no {name} "
-            f"({len(found)} data file(s) found){hint}"
-        )
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
