@@ -64,8 +64,9 @@ def test_a_block_past_the_populated_front_waits_for_it(gated_pool: Any) -> None:
 def test_threads_populate_slices_at_once_and_the_front_grows_only_over_those_done_in_order(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Several threads fault the pool in (stock's first copy faults on every core); a slice done
-    before the one ahead of it does not let a copy into the unpopulated one."""
+    """Several threads fault the pool in (stock's first copy faults on every core), helpers from
+    the back; a slice done before the one ahead of it does not let a copy into the unpopulated
+    one."""
     started: list[int] = []
     later_done = threading.Event()
     first_gate = threading.Event()
@@ -76,7 +77,7 @@ def test_threads_populate_slices_at_once_and_the_front_grows_only_over_those_don
             if offset == 0:
                 assert first_gate.wait(EVENT_TIMEOUT_S)
             super().populate(offset, nbytes)
-            if offset == MiB:
+            if offset == 3 * MiB:  # a helper's first slice: the last
                 later_done.set()
 
     monkeypatch.setattr(pool_module, "SLICE_BYTES", MiB)
@@ -84,7 +85,7 @@ def test_threads_populate_slices_at_once_and_the_front_grows_only_over_those_don
     monkeypatch.setattr(pool_module, "PopulatedBuffer", FirstHeld)
     pool = pool_module.HostPool(4 * MiB, populate=True)
     try:
-        assert later_done.wait(EVENT_TIMEOUT_S)  # slice 1 done while slice 0 is held
+        assert later_done.wait(EVENT_TIMEOUT_S)  # the last slice done while slice 0 is held
         assert pool.populated_bytes == 0
         first_gate.set()
         assert pool.wait_populated(EVENT_TIMEOUT_S)

@@ -97,24 +97,32 @@ class HostPool:
             self._populator.start()
 
     def _populate(self) -> None:
-        """Fault the pool in, slice by slice from the front, on ``POPULATE_THREADS`` threads
-        (this one and helpers): one thread faulted 1.3 GB/s where stock's first copy, whose
-        OpenMP team faults its fresh tensors on every core, beat our first save."""
+        """Fault the pool in: this thread front to back, as copies will use it, and up to
+        ``POPULATE_THREADS - 1`` helpers from the back towards it; the front skips what they did.
+        One thread faulted 1.3 GB/s, and stock's first copy, faulting its fresh tensors on every
+        core of its OpenMP team, beat our first save. The helpers never hold the front back: a
+        starved helper delays only a slice the front has not reached."""
         buffer = self._populating
         assert buffer is not None
-        cursor = [0]
+        slices = -(-self.capacity // SLICE_BYTES)
+        claimed = [0, slices]  # next slice of the front; one past the last free slice at the back
         done: set[int] = set()
 
-        def work() -> None:
+        def work(front: bool) -> None:
             try:
                 while True:
                     with self._cond:
-                        at = cursor[0]
-                        if self._closing or at >= self.capacity:
+                        if self._closing or claimed[0] >= claimed[1]:
                             return
-                        cursor[0] += SLICE_BYTES
+                        if front:
+                            i = claimed[0]
+                            claimed[0] += 1
+                        else:
+                            claimed[1] -= 1
+                            i = claimed[1]
+                    at = i * SLICE_BYTES
                     buffer.populate(at, min(SLICE_BYTES, self.capacity - at))
-                    with self._cond:  # the front grows over the slices done, in order
+                    with self._cond:  # the ready front grows over the slices done, in order
                         done.add(at)
                         while self._ready in done:
                             done.discard(self._ready)
@@ -124,13 +132,15 @@ class HostPool:
                 logger.warning("populating the host pool failed; copies fault it in", exc_info=True)
 
         helpers = [
-            threading.Thread(target=work, name=f"datastates-populate-{i}", daemon=True)
-            for i in range(1, min(POPULATE_THREADS, -(-self.capacity // SLICE_BYTES)))
+            threading.Thread(
+                target=work, args=(False,), name=f"datastates-populate-{i}", daemon=True
+            )
+            for i in range(1, min(POPULATE_THREADS, slices))
         ]
         try:
             for helper in helpers:
                 helper.start()
-            work()
+            work(True)
         finally:
             for helper in helpers:
                 helper.join()  # before the whole pool is declared ready: none writes it after
