@@ -10,10 +10,10 @@ loop with an EMA hook: what protecting forward-updated buffers costs), cow (what
 costs a training step, and an EMA evaluation right after a save), scaling, ranks (two gloo
 ranks); only when named: objstore (moto S3 on loopback), restart (resume from memory, disk, S3),
 replication (peer replication's step cost), simulate (planning of jobs up to 4,096 ranks),
-compress (ZStandard: bytes saved and durable time, stock and ours). Every measurement is printed as one JSON line on stdout (and
-appended to OUT/results.jsonl); the summary tables, with ratios against the stock baselines and
-the targets met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to
-stderr.
+compress (ZStandard: bytes saved and durable time), coopload (four ranks loading one replicated
+state). Every measurement is printed as one JSON line on stdout (and appended to
+OUT/results.jsonl); the summary tables, with ratios against the stock baselines and the targets
+met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to stderr.
 See docs/benchmarks.md for what each figure means.
 """
 
