@@ -31,6 +31,7 @@ from bench_lib import (
     load,
     objstore,
     ranks,
+    replication,
     report,
     restart,
     save,
@@ -42,8 +43,9 @@ from bench_lib import (
 from bench_lib.common import GB, Recorder, log
 
 SCENARIOS = ["limits", "save", "load", "train", "forward", "cow", "scaling", "ranks"]
-#: Run only when named (not in "all"): they need the s3 extra and moto.
-EXTRA_SCENARIOS = ["objstore", "restart"]
+#: Run only when named (not in "all"): objstore and restart need the s3 extra and moto;
+#: replication, the training-step cost of peer replication, wants spare cores to mean anything.
+EXTRA_SCENARIOS = ["objstore", "restart", "replication"]
 
 #: Defaults of the full run and of --quick; an option given on the command line wins over both.
 FULL: dict[str, Any] = {
@@ -82,6 +84,7 @@ FULL: dict[str, Any] = {
     "s3_gb": 0.5,
     "restart_gb": 2.0,
     "ranks_worlds": "2,4",
+    "replication_gb": 0.4,
 }
 QUICK: dict[str, Any] = {
     **FULL,
@@ -119,6 +122,7 @@ QUICK: dict[str, Any] = {
     "s3_gb": 0.02,
     "restart_gb": 0.02,
     "ranks_worlds": "2",
+    "replication_gb": 0.02,
 }
 
 
@@ -198,6 +202,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--restart-gb", type=float, help="state size of the restart scenario, GB")
     g.add_argument("--ranks-gb", type=float, help="state size of the ranks save, all ranks")
     g.add_argument("--ranks-worlds", help="comma-separated rank counts of the ranks scenario")
+    g.add_argument("--replication-gb", type=float, help="state replicated, all ranks, GB")
     return p
 
 
@@ -338,6 +343,17 @@ def _run(args: argparse.Namespace) -> int:
                     timeout=120 if args.quick else 600,
                     worlds=tuple(int(x) for x in args.ranks_worlds.split(",")),
                 )
+            elif scenario == "replication":
+                replication.run(
+                    rec,
+                    workdir=args.dir,
+                    nbytes=int(args.replication_gb * GB),
+                    world=2,
+                    rounds=args.rounds + 1,
+                    steps=args.train_steps,
+                    width=args.train_width,
+                    timeout=120 if args.quick else 600,
+                )
             elif scenario == "objstore":
                 objstore.run(
                     rec,
@@ -365,7 +381,12 @@ def _run(args: argparse.Namespace) -> int:
         png = timeline.plot(runs, args.png or args.out / "timeline.png")
         rec.note(f"timeline picture: {png}")
     text = report.summary(rec)
+<<<<<<< HEAD
     text += objstore.table(rec) + restart.table(rec)
+=======
+    text += objstore.table(rec)
+    text += replication.table(rec)
+>>>>>>> peers
     text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
     text += f"; total {time.monotonic() - started:.0f} s.\n"
     (args.out / "summary.md").write_text(text)
@@ -384,9 +405,10 @@ def main(argv: list[str]) -> int:
         a = p.parse_args(argv[1:])
         save.worker(a.systems.split(","), a.bytes, a.tensors, a.saves, a.dir)
         return 0
-    if argv and argv[0] == "_rank-worker":  # internal: one rank of the ranks scenario
+    if argv and argv[0] in ("_rank-worker", "_replication-worker"):  # internal: one rank
         rank, world, port, workdir, args = argv[1:6]
-        ranks.worker(int(rank), int(world), int(port), Path(workdir), json.loads(args))
+        run = ranks.worker if argv[0] == "_rank-worker" else replication.worker
+        run(int(rank), int(world), int(port), Path(workdir), json.loads(args))
         return 1  # not reached: the worker leaves through os._exit
     return _run(_parser().parse_args(argv))
 

@@ -8,8 +8,11 @@ rank's data file and the node's copy of ``.metadata`` and the manifest.
     replicate  each rank writes its files into its node's step directory, then replicates them
                while running all-reduces on the default group (what training does meanwhile);
                reports the future's result and how many all-reduces ran before it was done.
-    restore    a rank whose data file is gone from its node's root says it lost its memory;
-               every rank calls restore(); reports what it got back, or how it failed.
+               That is step STEP-2; then STEP-1, which names a file missing on rank 0, and
+               STEP; each rank prunes its replicas to the newest one.
+    restore    for each tree in RESTORE_TREES (``DIR/<tree>/node<k>``): a rank whose data file
+               is gone from its node's root says it lost its memory; every rank calls restore()
+               with one replicator; reports, per tree, what it got back, or how it failed.
     die        rank 3 exits right after the replicator is built; the others replicate; reports
                how each rank's future ended (rank 1 sends to and receives from rank 3).
 """
@@ -34,10 +37,12 @@ from _dist_workers import (  # noqa: E402
 STEP = 5
 RANKS_PER_NODE = 2
 CHUNK = 64 << 10
+#: The memory trees the restore scenario restores from, in order (the test prepares them).
+RESTORE_TREES = ("mem_corrupt", "mem_lost")
 
 
-def node_root(workdir: Path, rank: int) -> Path:
-    return Path(workdir) / "mem" / f"node{rank // RANKS_PER_NODE}"
+def node_root(workdir: Path, rank: int, mem: str = "mem") -> Path:
+    return Path(workdir) / mem / f"node{rank // RANKS_PER_NODE}"
 
 
 def data_name(rank: int) -> str:
@@ -83,21 +88,41 @@ def _scenario_replicate(rank: int, world_size: int, port: int, workdir: Path) ->
     import torch
     import torch.distributed as dist
 
+    from dcp_datastates.checkpointers.peers import PeerReplicationError
+
     _init(rank, world_size, port)
     step_dir = _write_files(rank, workdir)
     dist.barrier()  # each node's .metadata is written before anyone sends it
     replicator = _replicator(rank)
-    future = replicator.replicate(STEP, step_dir, rank_files(rank), node_root(workdir, rank))
+    root = node_root(workdir, rank)
+    future = replicator.replicate(STEP - 2, step_dir, rank_files(rank), root)
     want, sums_ok, before_done = sum(range(1, world_size + 1)), True, 0
     for _ in range(200):  # the same number on every rank: a training loop's collectives
         grad = torch.full((1 << 16,), float(rank + 1))
         dist.all_reduce(grad)
         sums_ok &= bool((grad == want).all())
         before_done += not future.done()
-    report = future.result(timeout=FUTURE_TIMEOUT_S)
+    future.result(timeout=FUTURE_TIMEOUT_S)
+    # A file rank 0 cannot read fails its step on rank 0 and on rank 2 (which receives it) only,
+    # and leaves the group in step: the next one replicates everywhere.
+    files = [*rank_files(rank), "missing.distcp"] if rank == 0 else rank_files(rank)
+    failed = replicator.replicate(STEP - 1, step_dir, files, root)
+    try:
+        failed.result(timeout=FUTURE_TIMEOUT_S)
+        failure = None
+    except PeerReplicationError as e:
+        failure = str(e)
+    report = replicator.replicate(STEP, step_dir, rank_files(rank), root).result(
+        timeout=FUTURE_TIMEOUT_S
+    )
+    pruned = replicator.prune(root, keep=1)  # this rank's replicas of steps STEP - 2 and STEP
+    kept = sorted(p.name for p in report.replica.parent.iterdir())
     replicator.close()
     dist.destroy_process_group()
     return {
+        "failure": failure,
+        "pruned": sorted(p.name for p in pruned),
+        "kept_after_prune": kept,
         "peer": report.peer,
         "source": report.source,
         "replica": str(report.replica),
@@ -114,16 +139,19 @@ def _scenario_restore(rank: int, world_size: int, port: int, workdir: Path) -> d
     from dcp_datastates.checkpointers.peers import PeerRestoreError
 
     _init(rank, world_size, port)
-    root = node_root(workdir, rank)
-    step_dir = root / f"step_{STEP}"
-    lost = not (step_dir / data_name(rank)).exists()
     replicator = _replicator(rank)
-    report: dict[str, Any] = {"lost": lost}
-    try:
-        report["restored"] = replicator.restore(STEP, lost, step_dir, root)
-    except PeerRestoreError as e:
-        report["error"] = str(e)
-        report["failures"] = {str(k): v for k, v in e.failures.items()}
+    report: dict[str, Any] = {}
+    for mem in RESTORE_TREES:  # one replicator: a failed restore leaves the group in step
+        root = node_root(workdir, rank, mem)
+        step_dir = root / f"step_{STEP}"
+        lost = not (step_dir / data_name(rank)).exists()
+        seen: dict[str, Any] = {"lost": lost}
+        try:
+            seen["restored"] = replicator.restore(STEP, lost, step_dir, root)
+        except PeerRestoreError as e:
+            seen["error"] = str(e)
+            seen["failures"] = {str(k): v for k, v in e.failures.items()}
+        report[mem] = seen
     replicator.close()
     dist.destroy_process_group()
     return report

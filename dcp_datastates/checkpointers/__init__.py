@@ -8,6 +8,7 @@ validated arguments), ``steps`` (its root's step directories: listing, retention
 committed step), ``resume`` (loading on every rank, falling back past steps that do not load),
 ``summary`` (its line per save). ``peers`` copies each rank's files of a step to a rank on
 another node in the background and gives them back at a restart that lost a node (``peer_ring``:
-who keeps whose replica; ``peer_wire``: the transfer over gloo and the replica directories).
+who keeps whose replica; ``peer_wire``: the transfer over gloo; ``peer_replicas``: the replica
+directories and their completion marker).
 May import: ``save``, ``load``, ``storage`` and the leaves.
 """

@@ -1,5 +1,5 @@
-"""The wire under :mod:`.peers`: one set of files streamed from a rank to another over gloo, and
-the replica directories it lands in.
+"""The wire under :mod:`.peers`: one set of files streamed from a rank to another over gloo (the
+directories they land in: :mod:`.peer_replicas`).
 
 A transfer is four exchanges on the replicator's own process group, each posted as non-blocking
 sends and receives so that a ring (every rank sending to one rank and receiving from another, or
@@ -7,9 +7,9 @@ the same one) never waits on itself:
 
 1. header   JSON: the files' names and sizes (and what else the caller adds), or why there are
             none (a file the sender could not stat);
-2. chunks   the files' bytes as one stream cut into chunks of at most ``chunk_bytes``; one send
-            and one receive buffer per rank, so a transfer holds ``2 * chunk_bytes`` whatever the
-            state's size;
+2. chunks   the files' bytes as one stream cut into chunks of at most ``chunk_bytes``, two in
+            flight each way (one on the wire, one being read or written), so a transfer holds
+            ``4 * chunk_bytes`` whatever the state's size;
 3. trailer  JSON: the CRC-32C of each file as read by the sender, or why reading failed (the
             sender then sends zeros for what it could not read, so both sides stay in step);
 4. ack      JSON, the other way: whether the receiver wrote and verified everything.
@@ -23,10 +23,8 @@ May import: the leaves.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -37,90 +35,7 @@ import torch
 import torch.distributed as dist
 from crc32c import crc32c
 
-#: The completion marker in a replica directory: the step, the source rank, and each file's size
-#: and CRC-32C. Written last, inside the directory before it is renamed into place.
-MARKER_NAME = ".replica.json"
-#: Replicas kept by a rank live under ``dest_root/PEER_DIR/rank_<src>/step_<N>``.
-PEER_DIR = "peer"
-_PARTIAL = ".partial"
-_DIR_MODE = 0o700
-_FILE_MODE = 0o600
-
-
-def replica_dir(dest_root: Path, source: int, step: int) -> Path:
-    return Path(dest_root) / PEER_DIR / f"rank_{source}" / f"step_{step}"
-
-
-def check_names(names: Sequence[str]) -> None:
-    """Refuse a file name that would leave the directory it is written into."""
-    for name in names:
-        if (
-            not isinstance(name, str)
-            or not name
-            or name in (".", "..", MARKER_NAME)
-            or "/" in name
-            or os.sep in name
-            or "\0" in name
-        ):
-            raise ValueError(
-                f"file name {name!r} cannot be replicated: give plain names inside the "
-                f"checkpoint directory (no '/', not '..' or {MARKER_NAME!r})"
-            )
-
-
-def make_private_dirs(path: Path) -> None:
-    """``path`` and its missing parents, owner-only."""
-    path = Path(path)
-    missing = []
-    while not path.exists():
-        missing.append(path)
-        path = path.parent
-    for p in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            p.mkdir(mode=_DIR_MODE)
-        os.chmod(p, _DIR_MODE)
-
-
-class ReplicaInvalid(Exception):
-    """A replica is missing, incomplete or does not match its marker."""
-
-
-def read_marker(path: Path, *, step: int, source: int, world_size: int) -> dict[str, Any]:
-    """The marker of the replica in ``path``, checked against what the caller expects and
-    against the files (sizes and CRC-32C). Raises :class:`ReplicaInvalid` saying what is wrong."""
-    marker_path = Path(path) / MARKER_NAME
-    try:
-        marker = json.loads(marker_path.read_text())
-    except FileNotFoundError:
-        raise ReplicaInvalid(f"no replica at {path} (no {MARKER_NAME})") from None
-    except (OSError, ValueError) as e:
-        raise ReplicaInvalid(f"unreadable marker {marker_path}: {e}") from None
-    want = {"step": step, "source_rank": source, "world_size": world_size}
-    got = {k: marker.get(k) for k in want}
-    if got != want:
-        raise ReplicaInvalid(f"marker {marker_path} is for {got}, not {want}")
-    for name, info in marker["files"].items():
-        file = Path(path) / name
-        try:
-            size = file.stat().st_size
-        except OSError as e:
-            raise ReplicaInvalid(f"{file} is missing: {e}") from None
-        if size != info["size"]:
-            raise ReplicaInvalid(f"{file} holds {size} bytes, its marker says {info['size']}")
-        crc = file_crc(file)
-        if crc != info["crc32c"]:
-            raise ReplicaInvalid(
-                f"{file} fails its checksum (crc32c {crc:#010x}, marker {info['crc32c']:#010x})"
-            )
-    return marker
-
-
-def file_crc(path: Path, piece: int = 8 << 20) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(piece):
-            crc = crc32c(chunk, crc)
-    return crc
+from .peer_replicas import FILE_MODE, check_names, make_private_dirs
 
 
 # -- the stream's two ends --------------------------------------------------------------------
@@ -229,7 +144,7 @@ class Sink:
                     if self._fd is None:
                         self._temp(i).unlink(missing_ok=True)
                         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-                        self._fd = os.open(self._temp(i), flags, _FILE_MODE)
+                        self._fd = os.open(self._temp(i), flags, FILE_MODE)
                     while part:
                         part = part[os.write(self._fd, part) :]
                 except OSError as e:
@@ -261,7 +176,7 @@ class Sink:
                     break
                 if self.sizes[i] == 0 and self.error is None:  # no chunk ever opened it
                     try:
-                        self._temp(i).touch(mode=_FILE_MODE, exist_ok=True)
+                        self._temp(i).touch(mode=FILE_MODE, exist_ok=True)
                     except OSError as e:
                         self.error = f"writing {self._temp(i)} failed: {e}"
         if self.error is not None:
@@ -337,10 +252,10 @@ class Link:
         self._wait(works)
         return json.loads(inbox.numpy().tobytes()) if frm is not None else None
 
-    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffers(self) -> list[torch.Tensor]:
+        """Two send and two receive buffers (pages are touched only by the ones used)."""
         if self._bufs is None:
-            n = self.chunk_bytes
-            self._bufs = (torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8))
+            self._bufs = [torch.empty(self.chunk_bytes, dtype=torch.uint8) for _ in range(4)]
         return self._bufs
 
     def release(self) -> None:
@@ -348,25 +263,34 @@ class Link:
         self._bufs = None
 
     def stream(self, source: Source | None, to: int | None, sink: Sink | None, frm: int | None):
-        out_buf, in_buf = self._buffers()
-        out_view, in_view = memoryview(out_buf.numpy()), memoryview(in_buf.numpy())
-        sent, got = 0, 0
+        """Send ``source``'s stream to ``to`` while receiving ``sink``'s from ``frm``, chunk by
+        chunk, double-buffered: chunk k+1 is read, and chunk k-1 written, while chunk k is on
+        the wire (gloo's threads move it)."""
+        bufs = self._buffers()
+        views = [memoryview(b.numpy()) for b in bufs]
         send_total = source.total if source is not None else 0
         recv_total = sink.total if sink is not None else 0
-        while sent < send_total or got < recv_total:
-            works, n, m = [], min(self.chunk_bytes, send_total - sent), 0
+        sent = got = landed = k = 0
+        inflight: list[Any] = []
+        while True:
+            n = min(self.chunk_bytes, send_total - sent)
+            m = min(self.chunk_bytes, recv_total - got)
+            out, into = k % 2, 2 + k % 2
+            if n:  # overlaps the previous chunk's transfer
+                source.read_into(views[out][:n])
+            self._wait(inflight)
+            inflight = []
             if n:
-                source.read_into(out_view[:n])
                 self.where = f"sending {source.current}"
-                works.append(self._send(out_buf[:n], to))
-            if got < recv_total:
-                m = min(self.chunk_bytes, recv_total - got)
-                works.append(self._recv(in_buf[:m], frm))
-            self._wait(works)
+                inflight.append(self._send(bufs[out][:n], to))
             if m:
-                sink.write(in_view[:m])
+                inflight.append(self._recv(bufs[into][:m], frm))
+            if landed:  # the previous chunk received: written while this one travels
+                sink.write(views[2 + (k - 1) % 2][:landed])
                 self.where = f"receiving {sink.current}"
-            sent, got = sent + n, got + m
+            if not n and not m:
+                break
+            sent, got, landed, k = sent + n, got + m, m, k + 1
         if source is not None:
             source.close()
         return sent, got
@@ -424,29 +348,4 @@ class Link:
         return outcome, sink
 
 
-def swap_in(partial: Path, final: Path) -> None:
-    """Make the complete directory ``partial`` visible as ``final`` (an older ``final`` goes)."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
-
-
-def partial_dir(final: Path) -> Path:
-    return final.with_name(f".{final.name}{_PARTIAL}")
-
-
-__all__ = [
-    "MARKER_NAME",
-    "PEER_DIR",
-    "Link",
-    "Outcome",
-    "ReplicaInvalid",
-    "Sink",
-    "Source",
-    "check_names",
-    "make_private_dirs",
-    "partial_dir",
-    "read_marker",
-    "replica_dir",
-    "swap_in",
-]
+__all__ = ["Link", "Outcome", "Sink", "Source"]

@@ -31,26 +31,40 @@ other groups). What travels is host bytes read from files, so gloo (TCP) is righ
 NCCL job: NCCL would need them copied to the device first, and its own group would share the
 training's streams. A group of its own means the background traffic never pairs with the
 training's collectives, which run on their own groups at the same time. Files stream in chunks of
-``chunk_bytes`` (two chunk buffers per rank, whatever the state's size), one step at a time on
-one background thread, so steps never interleave.
+``chunk_bytes`` (four chunk buffers per rank, whatever the state's size), one step at a time on
+one background thread, so steps never interleave. That thread and gloo's threads for the group
+run ``nice`` steps below the caller's priority (see ``bench.py replication`` in
+``docs/benchmarks.md`` for what replication costs a training step).
+
+Memory: ``4 * chunk_bytes`` per rank while the replicator lives; on each node, the replicas it
+keeps: one source rank's files per rank per kept step (``keep``), as much as the node's own
+memory copy. The files named in :meth:`~PeerReplicator.replicate` are read while they stream:
+keep them unchanged until its future is done (a file removed or cut short meanwhile fails the
+step on both ends; one rewritten in place would replicate whatever bytes were read).
 
 Failures: a disk error on either side reaches both sides as a reason (see :mod:`.peer_wire`) and
 :meth:`~PeerReplicator.replicate`'s future fails with :class:`PeerReplicationError`; training is
 never interrupted. A transport failure (a peer died, ``timeout`` passed) also fails the future,
 and leaves the replicator *broken*: the pairing of messages on its group is lost, so every later
 :meth:`~PeerReplicator.replicate` fails at once with the first error. Build a new replicator
-after the job restarts.
+after the job restarts. :meth:`~PeerReplicator.restore` waits for replications in flight.
+
+The world size and the ring must be the same at restore as at replicate (the marker records the
+world size); after a change, load from another tier.
 
 May import: ``load``, ``storage`` and the leaves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,20 +76,17 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import DataStatesError
-from .peer_ring import PeerRing
-from .peer_wire import (
+from .peer_replicas import (
     MARKER_NAME,
-    PEER_DIR,
-    Link,
     ReplicaInvalid,
-    Sink,
-    Source,
     check_names,
     partial_dir,
     read_marker,
     replica_dir,
     swap_in,
 )
+from .peer_ring import PeerRing
+from .peer_wire import Link, Sink, Source
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +140,14 @@ class PeerReplicator:
         distance: nodes between a rank and its peer (:class:`PeerRing`).
         group: a gloo group dedicated to this replicator (node ids are its group ranks); by
             default one over the whole job is created here, collectively.
-        chunk_bytes: bytes per message; a rank holds two such buffers while it replicates.
+        chunk_bytes: bytes per message; a rank holds four such buffers (two each way).
         timeout: how long one message may take before the transfer fails.
         keep: after each successful replication, keep the newest ``keep`` steps' replicas
             under ``dest_root`` and remove older ones (``None``: keep all, see :meth:`prune`).
+        nice: how much lower than the caller's the scheduling priority of the replication's
+            threads is (Linux; 0: the same). The background thread, and gloo's threads for the
+            group (created from it), then take the CPU time the training leaves idle rather
+            than a share of the training's cores.
     """
 
     def __init__(
@@ -142,27 +157,36 @@ class PeerReplicator:
         ranks_per_node: int | None = None,
         distance: int = 1,
         group: Any = None,
-        chunk_bytes: int = 32 << 20,
+        chunk_bytes: int = 16 << 20,
         timeout: timedelta = timedelta(minutes=5),
         keep: int | None = None,
+        nice: int = 10,
     ) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("PeerReplicator needs torch.distributed initialized on every rank")
         if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise ValueError(f"chunk_bytes={chunk_bytes!r}: give a positive number of bytes")
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep={keep!r}: give a number of steps >= 1, or None")
+        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+            raise ValueError(f"timeout={timeout!r}: give a positive datetime.timedelta")
+        if not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise ValueError(f"nice={nice!r}: give 0 (the caller's priority) to 19 (the lowest)")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("PeerReplicator needs torch.distributed initialized on every rank")
         world = dist.get_world_size(group) if group is not None else dist.get_world_size()
         self.ring = PeerRing.of(
             world, node_of_rank=node_of_rank, ranks_per_node=ranks_per_node, distance=distance
         )
+        self._executor = ThreadPoolExecutor(
+            1, f"dcp-peers-{dist.get_rank()}", initializer=_lower_priority, initargs=(nice,)
+        )
         self._owns_group = group is None
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if group is None else group
-        self.rank, self.world_size = dist.get_rank(self.group), world
+        if group is None:  # on the background thread: gloo's threads inherit its priority
+            group = self._executor.submit(dist.new_group, backend="gloo", timeout=timeout)
+            group = group.result()
+        self.group, self.rank, self.world_size = group, dist.get_rank(group), world
         self.peer, self.source = self.ring.peer(self.rank), self.ring.source(self.rank)
         self.keep = keep
         self._link = Link(self.group, timeout, chunk_bytes)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"dcp-peers-{self.rank}")
         self._broken: str | None = None
         self._closed = False
 
@@ -199,8 +223,7 @@ class PeerReplicator:
         partial = partial_dir(final)
 
         def make_sink(header: dict[str, Any]) -> Sink:
-            if partial.exists():
-                shutil.rmtree(partial)
+            shutil.rmtree(partial, ignore_errors=True)  # left by a crash mid-transfer
             sink = Sink(partial, header["names"], header["sizes"], temp_suffix=".tmp")
             if header.get("step") != step and sink.error is None:
                 sink.error = f"rank {self.source} replicated step {header.get('step')}"
@@ -221,13 +244,16 @@ class PeerReplicator:
             where = self._link.where
             self._broken = f"{where}: {type(e).__name__}: {e}"
             raise self._error(self._broken, step, _file(where)) from e
+        if outcome.received_error:
+            shutil.rmtree(partial, ignore_errors=True)
         if outcome.sent_error or outcome.received_error:
             parts = [f"to rank {self.peer}: {outcome.sent_error}"] if outcome.sent_error else []
             if outcome.received_error:
                 parts.append(f"from rank {self.source}: {outcome.received_error}")
             raise self._error("; ".join(parts), step, source.current)
         if self.keep is not None:
-            self._prune(dest_root, self.keep)
+            with contextlib.suppress(OSError):  # a replica left behind is retried next step
+                self._prune(dest_root, self.keep)
         report = ReplicaReport(
             step,
             self.rank,
@@ -247,12 +273,19 @@ class PeerReplicator:
         ``step``; each lost rank gets its files back from its peer's replica (verified against
         the marker) into ``dest_dir``. Returns the names written (``[]`` on a rank that lost
         nothing). Waits for replications still running. Raises :class:`PeerRestoreError` on
-        every rank if any lost rank's replica is missing, corrupt, or did not arrive whole."""
+        every rank if any lost rank's replica is missing, corrupt, or did not arrive whole; on
+        a rank where the transport failed (a rank died, ``timeout``), with only that rank's
+        reason."""
         if self._closed:
             raise ValueError("this PeerReplicator is closed")
-        return self._executor.submit(
-            self._restore, int(step), bool(lost), Path(dest_dir), Path(dest_root)
-        ).result()
+        args = (int(step), bool(lost), Path(dest_dir), Path(dest_root))
+        try:
+            return self._executor.submit(self._restore, *args).result()
+        except PeerRestoreError:
+            raise
+        except Exception as e:  # a collective failed: nothing is agreed any more
+            self._broken = f"{type(e).__name__}: {e}"
+            raise self._restore_error(args[0], {self.rank: self._broken}) from e
 
     def _gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
@@ -342,26 +375,25 @@ class PeerReplicator:
 
     # -- cleanup --------------------------------------------------------------------------------
     def prune(self, dest_root: Path, *, keep: int) -> list[Path]:
-        """Remove the replicas under ``dest_root`` older than the newest ``keep`` steps of each
-        source rank, and leftover partial ones; returns what was removed. Local to this rank;
-        runs after the replications already asked for."""
+        """Remove the replicas this rank keeps under ``dest_root`` (its source rank's) older
+        than the newest ``keep`` steps, and a leftover partial one; returns what was removed.
+        Local to this rank, and to its own replicas: the other ranks of a node share
+        ``dest_root`` and may be writing theirs. Runs after the replications asked for."""
         if not isinstance(keep, int) or keep < 0:
             raise ValueError(f"keep={keep!r}: give a number of steps >= 0")
         return self._executor.submit(self._prune, Path(dest_root), keep).result()
 
-    @staticmethod
-    def _prune(dest_root: Path, keep: int) -> list[Path]:
-        removed = []
-        for holder in sorted((dest_root / PEER_DIR).glob("rank_*")):
-            steps = sorted(
-                (int(m.group(1)), p) for p in holder.iterdir() if (m := _STEP_DIR.match(p.name))
-            )
-            old = [p for _, p in steps[: max(0, len(steps) - keep)]]
-            old += [p for p in holder.iterdir() if p.name.endswith(".partial")]
-            for p in old:
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
-        return removed
+    def _prune(self, dest_root: Path, keep: int) -> list[Path]:
+        holder = replica_dir(dest_root, self.source, 0).parent
+        if not holder.is_dir():
+            return []
+        found = list(holder.iterdir())
+        steps = sorted((int(m.group(1)), p) for p in found if (m := _STEP_DIR.match(p.name)))
+        old = [p for _, p in steps[: max(0, len(steps) - keep)]]
+        old += [p for p in found if p.name.endswith(".partial")]
+        for p in old:
+            shutil.rmtree(p, ignore_errors=True)
+        return old
 
     def close(self) -> None:
         """Wait for the replications asked for, then release the thread and the group."""
@@ -384,6 +416,14 @@ def _file(where: str | None) -> str | None:
     return (
         where.split(" ", 1)[1] if where and where.startswith(("sending ", "receiving ")) else None
     )
+
+
+def _lower_priority(nice: int) -> None:
+    """Lower this thread's scheduling priority by ``nice`` (Linux schedules threads apart)."""
+    if nice and sys.platform.startswith("linux"):
+        tid = threading.get_native_id()
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
 
 
 def _write_private(path: Path, data: bytes) -> None:

@@ -87,13 +87,15 @@ def worker(rank: int, world: int, port: int, workdir: Path, args: dict[str, Any]
     os._exit(0 if report["ok"] else 1)
 
 
-def _launch(workdir: Path, world: int, args: dict[str, Any], timeout: float) -> list[dict]:
+def _launch(
+    workdir: Path, world: int, args: dict[str, Any], timeout: float, worker: str = "_rank-worker"
+) -> list[dict]:
     port = _free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     procs = []
     for rank in range(world):
         log_file = open(workdir / f"rank{rank}.log", "w+b")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, str(BENCH), "_rank-worker", str(rank), str(world), str(port)]
+        cmd = [sys.executable, str(BENCH), worker, str(rank), str(world), str(port)]
         cmd += [str(workdir), json.dumps(args)]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log_file, stderr=log_file), log_file))
     deadline = time.monotonic() + timeout
