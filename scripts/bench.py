@@ -381,12 +381,7 @@ def _run(args: argparse.Namespace) -> int:
         png = timeline.plot(runs, args.png or args.out / "timeline.png")
         rec.note(f"timeline picture: {png}")
     text = report.summary(rec)
-<<<<<<< HEAD
-    text += objstore.table(rec) + restart.table(rec)
-=======
-    text += objstore.table(rec)
-    text += replication.table(rec)
->>>>>>> peers
+    text += objstore.table(rec) + restart.table(rec) + replication.table(rec)
     text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
     text += f"; total {time.monotonic() - started:.0f} s.\n"
     (args.out / "summary.md").write_text(text)
