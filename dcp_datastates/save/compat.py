@@ -164,3 +164,23 @@ __all__ = [
     "stock_stage",
     "writer_options",
 ]
+
+
+class StockWriterAttributes:
+    """Stock ``FileSystemWriter``'s attributes that are options of ours, read off ``options``
+    (a user sweep: code reading ``writer.overwrite`` or ``writer.thread_count`` broke on ours)."""
+
+    options: WriterOptions
+
+    @property
+    def sync_files(self) -> bool:
+        return self.options.sync_files
+
+    @property
+    def overwrite(self) -> bool:
+        return self.options.overwrite
+
+    @property
+    def thread_count(self) -> int:
+        """Files written in parallel per rank: ``flush_workers``."""
+        return self.options.flush_workers

@@ -80,7 +80,7 @@ from .calls import (
     fails_on_every_rank,
     which_call,
 )
-from .compat import lazy_staging_planner, stock_stage, writer_options
+from .compat import StockWriterAttributes, lazy_staging_planner, stock_stage, writer_options
 from .planner import (
     GlobalPlanMemo,
     StagedSavePlanner,
@@ -93,7 +93,7 @@ from .staging import ThreadStaging
 
 
 @_dcp_private.no_synchronize_after_execute
-class DataStatesWriter(StorageWriter, AsyncStager):
+class DataStatesWriter(StockWriterAttributes, StorageWriter, AsyncStager):
     """A DCP storage writer with a lazy snapshot and a streaming flush.
 
     Takes every argument of stock ``FileSystemWriter``, by name and in the same positions (see
@@ -149,21 +149,6 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.cache_staged_state_dict = cache_staged_state_dict
         self._init_runtime_state()
-
-    # Stock FileSystemWriter's attributes that are options of ours (a user sweep: code reading
-    # writer.overwrite or writer.thread_count broke on ours).
-    @property
-    def sync_files(self) -> bool:
-        return self.options.sync_files
-
-    @property
-    def overwrite(self) -> bool:
-        return self.options.overwrite
-
-    @property
-    def thread_count(self) -> int:
-        """Files written in parallel per rank: ``flush_workers``."""
-        return self.options.flush_workers
 
     def _init_runtime_state(self, shared: SnapshotRuntime | None = None) -> None:
         """The parts of the writer that never travel. ``shared``: DCP's checkpoint daemon's
