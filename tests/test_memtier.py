@@ -119,51 +119,56 @@ def test_sigkill_mid_flush_resumes_from_memory_bit_exactly_and_then_makes_it_dur
 def test_a_lost_node_gets_its_files_back_from_its_peer_and_the_step_resumes_bit_exactly(
     tmp_path: Path,
 ) -> None:
-    """Two simulated nodes, one rank each, peer copies one node along. Every rank is killed
-    while step 10 is committed in memory (and copied to the peer) but not on disk; node b's
-    memory is then removed. The restart gives rank 1 its files back from rank 0's node,
-    finishes step 10 on disk and resumes from it."""
+    """Four ranks on two simulated nodes (a: ranks 0, 1; b: ranks 2, 3), one memory root each,
+    peer copies one node along. Every rank is killed while step 10 is committed in memory (and
+    copied to the peers) but not on disk; node b's memory is then removed. The restart gives
+    ranks 2 and 3 their files back from node a, finishes step 10 on disk and resumes from it."""
     base, run = tmp_path / "shm", tmp_path / "run"
     root = run / "ckpt"
-    env = {"base": str(base), "nodes": "a,b", "peers": "1", "job": "nl", "max_steps": "12"}
+    env = {"base": str(base), "nodes": "a,a,b,b", "peers": "1", "job": "nl", "max_steps": "12"}
     segment = Path(segment_path(str(base), "nl"))
-    replicas = [segment / "node_a/peer/rank_1/step_10", segment / "node_b/peer/rank_0/step_10"]
-    procs = _start(run, 2, block_flush="10", **env)
+    replicas = [
+        segment / f"node_{n}/peer/rank_{r}/step_10"
+        for n, r in zip("aabb", (2, 3, 0, 1), strict=True)
+    ]
+    procs = _start(run, 4, block_flush="10", **env)
     try:
         wait_until(
             lambda: (
-                all(f"flush blocked {step_dir_name(10)}" in _out(run, r) for r in (0, 1))
+                all(f"flush blocked {step_dir_name(10)}" in _out(run, r) for r in range(4))
                 and all((r / ".replica.json").exists() for r in replicas)
                 or any(p.poll() is not None for p in procs)
             ),
             BOUNDED_S,
-            "both ranks holding step 10's flush, its peer copies made",
+            "every rank holding step 10's flush, its peer copies made",
             poll=0.02,
         )
-        assert all(p.poll() is None for p in procs), _out(run, 0) + _out(run, 1)
+        assert all(p.poll() is None for p in procs), "".join(_out(run, r) for r in range(4))
     finally:
         for p in procs:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)
             p.wait()
-    first = _lines(run, 0, "step")
+    first = {r: _lines(run, r, "step") for r in range(4)}
     assert not (root / step_dir_name(10) / ".metadata").exists()
     shutil.rmtree(segment / "node_b")  # the node is lost, and its memory with it
 
     rerun = tmp_path / "rerun"
     rerun.mkdir()
     (rerun / "ckpt").symlink_to(root)
-    procs = _start(rerun, 2, **env)
+    procs = _start(rerun, 4, **env)
     for p in procs:
         p.wait(timeout=120)
-    assert [p.returncode for p in procs] == [0, 0], _out(rerun, 0)[-3000:] + _out(rerun, 1)
-    assert "this node's memory had lost step 10; restored" in _out(rerun, 1)
-    for rank in (0, 1):
-        assert _lines(rerun, rank, "resumed") == {10: first[10]}, _out(rerun, rank)[-3000:]
-        assert _lines(rerun, rank, "step") == {11: first[11], 12: first[12]}
+    outs = "".join(_out(rerun, r)[-2000:] for r in range(4))
+    assert [p.returncode for p in procs] == [0] * 4, outs
+    for rank in (2, 3):
+        assert "this node's memory had lost step 10; restored" in _out(rerun, rank), outs
+    for rank in range(4):
+        assert _lines(rerun, rank, "resumed") == {10: first[rank][10]}, outs
+        assert _lines(rerun, rank, "step") == {s: first[rank][s] for s in (11, 12)}, outs
     fresh = _app()
     dcp.load({"app": fresh}, checkpoint_id=str(root / step_dir_name(10)), no_dist=True)
-    assert digest(fresh) == first[10]
+    assert digest(fresh) == first[0][10]
 
 
 # -- in one process --------------------------------------------------------------------------
