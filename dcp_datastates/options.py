@@ -82,6 +82,14 @@ class WriterOptions:
         overwrite: Allow saving into a directory that already holds a committed checkpoint. The old
             commit record is removed before any data is written, so a crash mid-overwrite leaves an
             uncommitted directory, never a checkpoint that mixes old and new data.
+        node_local: The ranks of a save may name different directories, one per node (a
+            memory-backed directory each node holds, as the memory tier's ``MemoryTier(node=)``
+            does): each rank writes its files into its own, and the coordinator commits
+            (``.metadata``, manifest) into its own, checking the sizes of the files of the ranks
+            that share its directory only. What commits is then no whole checkpoint until the
+            other directories' files are brought beside it; off (default), ranks naming
+            different directories are refused before anything is written. Every rank of a
+            save must pass the same value.
         storage_options: Keyword arguments for the fsspec file system of a URL path (for
             ``s3://``: ``endpoint_url``, ``key``, ``secret``, ``client_kwargs``, ...; see
             ``docs/storage.md``). Ignored for local paths.
@@ -106,6 +114,7 @@ class WriterOptions:
     direct_writes: bool = True
     live_flush: bool | None = None
     overwrite: bool = True
+    node_local: bool = False
     # Not hashed (a dict is not hashable; the PROCESS daemon keys its runtimes by options), but
     # compared: options that differ only here are still different options.
     storage_options: Mapping[str, Any] | None = field(default=None, hash=False)
@@ -151,6 +160,7 @@ class WriterOptions:
             "sync_files",
             "direct_writes",
             "overwrite",
+            "node_local",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -412,7 +412,6 @@ def _run(args: argparse.Namespace) -> int:
     text += replication.table(rec)
     text += sim_plot.table(rec)
     text += compress.table(rec)
-    text += objstore.table(rec)
     text += coop.table(rec)
     text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
     text += f"; total {time.monotonic() - started:.0f} s.\n"
