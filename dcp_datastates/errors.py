@@ -136,6 +136,17 @@ class CheckpointLoadError(DataStatesError):
         self.failures = failures or {}
 
 
+class CooperativeLoadError(DataStatesError):
+    """Another rank of a cooperative load (``DataStatesReader(cooperative=True)``) failed to read
+    or receive its part, so this rank's load stops too, naming that rank's item and file.
+
+    ``failures`` maps each failed rank to what it said."""
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = failures or {}
+
+
 class ChecksumMismatchError(DataStatesError):
     """Bytes read back do not match the checksum recorded when they were written."""
 

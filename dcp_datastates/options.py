@@ -82,6 +82,14 @@ class WriterOptions:
         overwrite: Allow saving into a directory that already holds a committed checkpoint. The old
             commit record is removed before any data is written, so a crash mid-overwrite leaves an
             uncommitted directory, never a checkpoint that mixes old and new data.
+        node_local: The ranks of a save may name different directories, one per node (a
+            memory-backed directory each node holds, as the memory tier's ``MemoryTier(node=)``
+            does): each rank writes its files into its own, and the coordinator commits
+            (``.metadata``, manifest) into its own, checking the sizes of the files of the ranks
+            that share its directory only. What commits is then no whole checkpoint until the
+            other directories' files are brought beside it; off (default), ranks naming
+            different directories are refused before anything is written. Every rank of a
+            save must pass the same value.
         incremental: Do not copy or write again a host tensor that provably did not change
             since this writer's last committed save (a frozen base, frozen embeddings): the
             data file holding its record is hard-linked whole into the new checkpoint, which
@@ -111,6 +119,7 @@ class WriterOptions:
     direct_writes: bool = True
     live_flush: bool | None = None
     overwrite: bool = True
+    node_local: bool = False
     incremental: bool = False
     # Not hashed (a dict is not hashable; the PROCESS daemon keys its runtimes by options), but
     # compared: options that differ only here are still different options.
@@ -157,6 +166,7 @@ class WriterOptions:
             "sync_files",
             "direct_writes",
             "overwrite",
+            "node_local",
             "incremental",
         ):
             value = getattr(self, name)

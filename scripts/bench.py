@@ -10,10 +10,10 @@ loop with an EMA hook: what protecting forward-updated buffers costs), cow (what
 costs a training step, and an EMA evaluation right after a save), scaling, ranks (two gloo
 ranks); only when named: objstore (moto S3 on loopback), restart (resume from memory, disk, S3),
 replication (peer replication's step cost), simulate (planning of jobs up to 4,096 ranks),
-compress (ZStandard: bytes saved and durable time, stock and ours). Every measurement is printed as one JSON line on stdout (and
-appended to OUT/results.jsonl); the summary tables, with ratios against the stock baselines and
-the targets met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to
-stderr.
+compress (ZStandard: bytes saved and durable time), coopload (four ranks loading one replicated
+state). Every measurement is printed as one JSON line on stdout (and appended to
+OUT/results.jsonl); the summary tables, with ratios against the stock baselines and the targets
+met, MISSED or limited, come last (and go to OUT/summary.md). Progress goes to stderr.
 See docs/benchmarks.md for what each figure means.
 """
 
@@ -29,6 +29,7 @@ from typing import Any
 
 from bench_lib import (
     compress,
+    coop,
     cow,
     forward,
     limits,
@@ -52,9 +53,18 @@ from bench_lib.common import GB, Recorder, log
 SCENARIOS = ["limits", "save", "load", "train", "forward", "cow", "scaling", "ranks"]
 #: Run only when named (not in "all"): objstore and restart need the s3 extra and moto, compress
 #: zstandard; replication, the training-step cost of peer replication, wants spare cores to mean
-#: anything; simulate plans simulated jobs of up to 4,096 ranks (minutes, GBs of memory); lora
+#: anything; simulate plans simulated jobs of up to 4,096 ranks (minutes, GBs of memory);
+#: coopload (four gloo ranks loading one replicated state) holds the state four times; lora
 #: saves a 1 GB frozen base five times per system.
-EXTRA_SCENARIOS = ["objstore", "restart", "replication", "simulate", "compress", "lora"]
+EXTRA_SCENARIOS = [
+    "objstore",
+    "restart",
+    "replication",
+    "simulate",
+    "compress",
+    "coopload",
+    "lora",
+]
 
 #: Defaults of the full run and of --quick; an option given on the command line wins over both.
 FULL: dict[str, Any] = {
@@ -89,6 +99,7 @@ FULL: dict[str, Any] = {
     "scale_count_gb": 0.1,
     "scale_repeat_s": 4.0,
     "ranks_gb": 1.0,
+    "coop_gb": 1.0,
     "s3_gb": 0.5,
     "restart_gb": 2.0,
     "lora_gb": 1.0,
@@ -129,6 +140,7 @@ QUICK: dict[str, Any] = {
     # Never reached at these sizes: every system saves its full count (the test counts them).
     "scale_repeat_s": 60.0,
     "ranks_gb": 0.01,
+    "coop_gb": 0.01,
     "s3_gb": 0.02,
     "restart_gb": 0.02,
     "lora_gb": 0.02,
@@ -216,6 +228,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--ranks-gb", type=float, help="state size of the ranks save, all ranks")
     g.add_argument("--ranks-worlds", help="comma-separated rank counts of the ranks scenario")
     g.add_argument("--replication-gb", type=float, help="state replicated, all ranks, GB")
+    g.add_argument("--coop-gb", type=float, help="replicated state size of the coopload loads")
     return p
 
 
@@ -245,6 +258,7 @@ def _scratch_bytes(args: argparse.Namespace, wanted: list[str]) -> int:
         "objstore": args.s3_gb,
         "restart": args.restart_gb,
         "compress": args.compress_params * 14 / GB,
+        "coopload": args.coop_gb,
         "lora": 6 * args.lora_gb,
     }
     return int(2 * max((sizes.get(s, 0.0) for s in wanted), default=0.0) * GB)
@@ -388,6 +402,16 @@ def _run(args: argparse.Namespace) -> int:
                 simulate.run(rec, workdir=args.dir, quick=args.quick, png=args.out / "simulate.png")
             elif scenario == "compress":
                 compress.run(rec, workdir=args.dir, params=args.compress_params, rounds=args.rounds)
+            elif scenario == "coopload":
+                coop.run(
+                    rec,
+                    workdir=args.dir,
+                    nbytes=int(args.coop_gb * GB),
+                    tensors=args.tensors,
+                    rounds=args.rounds,
+                    timeout=120 if args.quick else 600,
+                    cold=cold,
+                )
             elif scenario == "lora":
                 lora.run(rec, workdir=args.dir, nbytes=int(args.lora_gb * GB))
             elapsed[scenario] = time.monotonic() - t0
@@ -404,6 +428,7 @@ def _run(args: argparse.Namespace) -> int:
     text += replication.table(rec)
     text += sim_plot.table(rec)
     text += compress.table(rec)
+    text += coop.table(rec)
     text += lora.table(rec)
     text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
     text += f"; total {time.monotonic() - started:.0f} s.\n"
@@ -427,6 +452,10 @@ def main(argv: list[str]) -> int:
         rank, world, port, workdir, args = argv[1:6]
         run = ranks.worker if argv[0] == "_rank-worker" else replication.worker
         run(int(rank), int(world), int(port), Path(workdir), json.loads(args))
+        return 1  # not reached: the worker leaves through os._exit
+    if argv and argv[0] == "_coop-worker":  # internal: one rank of the coopload scenario
+        rank, world, port, workdir, args = argv[1:6]
+        coop.worker(int(rank), int(world), int(port), Path(workdir), json.loads(args))
         return 1  # not reached: the worker leaves through os._exit
     return _run(_parser().parse_args(argv))
 

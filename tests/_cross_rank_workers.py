@@ -21,6 +21,9 @@
                      each rank), then every rank saves to one path (MODE: ``ours``, ``dcp``
                      for ``dcp.async_save``, ``sync`` for ``dcp.save``); every rank reports
                      how its save failed and what each directory holds.
+    node-local       as split-path, each rank in its own directory, with ``node_local=True``
+                     (saves; each directory holds its rank's files, the coordinator's the
+                     commit), then with ``node_local=True`` on rank 0 only (refused).
     cached-plans     ``dcp.save`` with DCP's plan caching on, a writer per save: to ``p0``, to
                      ``p0`` again with ``overwrite=False`` (refused), to ``p2``, to ``p3``; from
                      the second on, rank 0's state is bigger (its plan changes, rank 1's does
@@ -344,6 +347,31 @@ def _split_path(mode: str, rank: int, world_size: int, port: int, workdir: Path)
     return report
 
 
+def _node_local(rank: int, world_size: int, port: int, workdir: Path) -> dict:
+    import torch.distributed as dist
+
+    from dcp_datastates import DataStatesWriter, async_save
+
+    _init(rank, world_size, port)
+    report: dict[str, Any] = {}
+    for attempt, node_local in (("split", True), ("mixed", rank == 0)):
+        writer = DataStatesWriter(workdir / "unused", node_local=node_local)
+        seen: dict[str, Any] = {"failed": False}
+        try:
+            async_save(
+                _rank_state(world_size), writer, checkpoint_id=workdir / f"{attempt}{rank}"
+            ).upload_completion.result(timeout=FUTURE_TIMEOUT_S)
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException; reported
+            causes = [e[0] if isinstance(e, tuple) else e for e in exc.failures.values()]
+            seen.update(failed=True, message=str(exc), types=[type(e).__name__ for e in causes])
+        report[attempt] = seen
+        print(f"rank {rank}: {attempt}: {seen}", flush=True)
+        writer.close()
+        dist.barrier()
+    dist.destroy_process_group()
+    return report
+
+
 def _cached_plans(rank: int, world_size: int, port: int, workdir: Path) -> dict:
     """DCP's plan caching hands the coordinator the cached local plans of ranks whose plan did
     not change, ``storage_data`` included: the check that ranks name one checkpoint must not
@@ -629,6 +657,8 @@ def _scenario(scenario: str, rank: int, world_size: int, port: int, workdir: Pat
         return _dtensor_inplace(scenario[16:], rank, world_size, port, workdir)
     if scenario.startswith("dtensor-cow-"):
         return _dtensor_inplace(scenario[12:], rank, world_size, port, workdir, cow=True)
+    if scenario == "node-local":
+        return _node_local(rank, world_size, port, workdir)
     if scenario == "cached-plans":
         return _cached_plans(rank, world_size, port, workdir)
     if scenario == "process-dtensor":

@@ -37,6 +37,8 @@ def _settings() -> dict[str, Any]:
         "max_steps": int(e.get("MT_MAX_STEPS", "12")),
         "block": int(e.get("MT_BLOCK_FLUSH", "-1")),  # the step whose flush to disk never ends
         "job": e.get("MT_JOB") or None,
+        "nodes": e.get("MT_NODES", ""),  # "a,b": rank r runs on simulated node r's entry
+        "peers": int(e.get("MT_PEERS", "0")),  # peer_distance
     }
 
 
@@ -71,7 +73,8 @@ def _train(rank: int, world: int, port: int, workdir: Path) -> dict[str, Any]:
     report: dict[str, Any] = {"digests": {}}
     model = Model()
     app = App(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    tier = MemoryTier(base=cfg["base"], job_id=cfg["job"])
+    node = cfg["nodes"].split(",")[rank] if cfg["nodes"] else None
+    tier = MemoryTier(base=cfg["base"], job_id=cfg["job"], node=node, peer_distance=cfg["peers"])
     ck = HeldCheckpointer(
         workdir / "ckpt", every_steps=cfg["every"], preemption_signals=(), memory=tier
     )

@@ -8,13 +8,17 @@ rank waiting in a collective until the process-group timeout.
 from __future__ import annotations
 
 import inspect
+import os
 import pickle
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from _cross_rank_workers import CAUSE, UserProviderError, injected_errors
-from _dist_workers import check_all_ok, launch
+from _dist_workers import check_all_ok, empty_like_values, full_values, launch
 from _faults_util import BOUNDED_S
 
 from dcp_datastates import errors
@@ -217,6 +221,39 @@ def test_ranks_naming_different_checkpoints_are_refused_before_anything_is_writt
         files = r.report["files"]
         assert files["rank0"] == [] and files.get("rank1", []) == [], f"{where}: {files}"
         assert ".metadata" in files["same"], f"{where}: {files}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_node_local_ranks_save_into_their_own_directories_and_the_coordinator_commits_in_its(
+    tmp_path: Path,
+) -> None:
+    """``node_local=True`` (one directory per node, as the memory tier saves): each rank's files
+    land in its own directory, the commit in the coordinator's; brought together they load back
+    whole. Ranks that disagree on the option are refused, as ranks naming different
+    directories without it are (the test above)."""
+    results = launch("node-local", tmp_path, timeout=140, script=WORKERS)
+    check_all_ok(results)
+    for r in results:
+        assert not r.report["split"]["failed"], r.report
+        mixed = r.report["mixed"]
+        assert mixed["failed"] and mixed["types"] == ["WriterUsageError"], r.report
+        assert "disagree on node_local" in mixed["message"], mixed
+    own = {rank: sorted(os.listdir(tmp_path / f"split{rank}")) for rank in (0, 1)}
+    assert {".metadata", ".datastates.json"} <= set(own[0]), own
+    assert all(n.startswith("__0_") for n in own[0] if n.startswith("__")), own
+    assert own[1] and all(n.startswith("__1_") for n in own[1]), own
+    assert not any(os.listdir(tmp_path / f"mixed{rank}") for rank in (0, 1))
+    for name in own[1]:
+        shutil.copy(tmp_path / "split1" / name, tmp_path / "split0" / name)
+    values = full_values()
+    back = empty_like_values(values)
+    dcp.load(back, checkpoint_id=str(tmp_path / "split0"), no_dist=True)
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(back[key], value), key
+        else:
+            assert back[key] == value, key
 
 
 @pytest.mark.multiprocess

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,6 +112,84 @@ def test_sigkill_mid_flush_resumes_from_memory_bit_exactly_and_then_makes_it_dur
     assert digest(fresh) == first[10]
     assert (root / "latest").read_text().strip() == "10"
     assert segments(str(base)) == []  # the clean exit removed the segment
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_lost_node_gets_its_files_back_from_its_peer_and_the_step_resumes_bit_exactly(
+    tmp_path: Path,
+) -> None:
+    """Four ranks on two simulated nodes (a: ranks 0, 1; b: ranks 2, 3), one memory root each,
+    peer copies one node along. Every rank is killed while step 10 is committed in memory (and
+    copied to the peers) but not on disk; node b's memory is then removed. The restart gives
+    ranks 2 and 3 their files back from node a, finishes step 10 on disk and resumes from it.
+    A copy of the same wreck whose replicas on node a are one corrupt, one missing resumes from
+    the durable step 5 instead, saying why, and trains on bit-exactly."""
+    base, run = tmp_path / "shm", tmp_path / "run"
+    root = run / "ckpt"
+    env = {"base": str(base), "nodes": "a,a,b,b", "peers": "1", "job": "nl", "max_steps": "12"}
+    segment = Path(segment_path(str(base), "nl"))
+    held = {"a": (2, 3), "b": (0, 1)}  # the peer copies each node holds
+    replicas = [segment / f"node_{n}/peer/rank_{r}/step_10" for n in held for r in held[n]]
+    procs = _start(run, 4, block_flush="10", **env)
+    try:
+        wait_until(
+            lambda: (
+                all(f"flush blocked {step_dir_name(10)}" in _out(run, r) for r in range(4))
+                and all((r / ".replica.json").exists() for r in replicas)
+                or any(p.poll() is not None for p in procs)
+            ),
+            BOUNDED_S,
+            "every rank holding step 10's flush, its peer copies made",
+            poll=0.02,
+        )
+        assert all(p.poll() is None for p in procs), "".join(_out(run, r) for r in range(4))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+    first = {r: _lines(run, r, "step") for r in range(4)}
+    assert not (root / step_dir_name(10) / ".metadata").exists()
+    shutil.rmtree(segment / "node_b")  # the node is lost, and its memory with it
+    # The same wreck, its replicas of ranks 2 and 3 corrupt and missing.
+    base2 = tmp_path / "shm2"
+    shutil.copytree(base, base2, symlinks=True)
+    shutil.copytree(root, tmp_path / "root2", symlinks=True)
+    segment2 = Path(segment_path(str(base2), "nl"))
+    damage(segment2 / "node_a/peer/rank_2/step_10")
+    shutil.rmtree(segment2 / "node_a/peer/rank_3/step_10")
+
+    outs = _rerun(tmp_path / "rerun", root, env)
+    for rank in (2, 3):
+        assert "this node's memory had lost step 10; restored" in outs[rank], outs[rank]
+    for rank in range(4):
+        assert _lines(tmp_path / "rerun", rank, "resumed") == {10: first[rank][10]}, outs[rank]
+        want = {s: first[rank][s] for s in (11, 12)}
+        assert _lines(tmp_path / "rerun", rank, "step") == want, outs[rank]
+    fresh = _app()
+    dcp.load({"app": fresh}, checkpoint_id=str(root / step_dir_name(10)), no_dist=True)
+    assert digest(fresh) == first[0][10]
+
+    outs = _rerun(tmp_path / "rerun2", tmp_path / "root2", {**env, "base": str(base2)})
+    for rank in range(4):
+        said = "step 10 not restored from peers"
+        assert said in outs[rank] and "rank 2" in outs[rank] and "rank 3" in outs[rank], outs[rank]
+        assert _lines(tmp_path / "rerun2", rank, "resumed") == {5: first[rank][5]}, outs[rank]
+        want = {s: first[rank][s] for s in range(6, 13)}
+        assert _lines(tmp_path / "rerun2", rank, "step") == want, outs[rank]
+
+
+def _rerun(workdir: Path, root: Path, env: dict[str, str]) -> list[str]:
+    """The 4 ranks of the node-loss test restarted on the durable root ``root``; their logs."""
+    workdir.mkdir()
+    (workdir / "ckpt").symlink_to(root)
+    procs = _start(workdir, 4, **env)
+    for p in procs:
+        p.wait(timeout=120)
+    outs = [_out(workdir, r) for r in range(4)]
+    assert [p.returncode for p in procs] == [0] * 4, "".join(o[-2000:] for o in outs)
+    return outs
 
 
 # -- in one process --------------------------------------------------------------------------

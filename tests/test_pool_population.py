@@ -61,6 +61,40 @@ def test_a_block_past_the_populated_front_waits_for_it(gated_pool: Any) -> None:
     gated_pool.release(0)
 
 
+def test_threads_populate_slices_at_once_and_the_front_grows_only_over_those_done_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Several threads fault the pool in (stock's first copy faults on every core), helpers from
+    the back; a slice done before the one ahead of it does not let a copy into the unpopulated
+    one."""
+    started: list[int] = []
+    later_done = threading.Event()
+    first_gate = threading.Event()
+
+    class FirstHeld(PopulatedBuffer):
+        def populate(self, offset: int, nbytes: int) -> None:
+            started.append(offset)
+            if offset == 0:
+                assert first_gate.wait(EVENT_TIMEOUT_S)
+            super().populate(offset, nbytes)
+            if offset == 3 * MiB:  # a helper's first slice: the last
+                later_done.set()
+
+    monkeypatch.setattr(pool_module, "SLICE_BYTES", MiB)
+    monkeypatch.setattr(pool_module, "POPULATE_THREADS", 3)
+    monkeypatch.setattr(pool_module, "PopulatedBuffer", FirstHeld)
+    pool = pool_module.HostPool(4 * MiB, populate=True)
+    try:
+        assert later_done.wait(EVENT_TIMEOUT_S)  # the last slice done while slice 0 is held
+        assert pool.populated_bytes == 0
+        first_gate.set()
+        assert pool.wait_populated(EVENT_TIMEOUT_S)
+        assert sorted(started) == [0, MiB, 2 * MiB, 3 * MiB]
+    finally:
+        first_gate.set()
+        pool.close()
+
+
 def test_populating_without_the_kernel_advice_touches_the_pages() -> None:
     buffer = PopulatedBuffer(3 * MiB)
     buffer._populate_call = False  # as on a kernel without MADV_POPULATE_WRITE

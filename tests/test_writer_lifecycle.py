@@ -706,6 +706,7 @@ BAD_OPTIONS = [
     ("direct_writes", "yes", "must be True or False"),
     ("live_flush", 1, "must be True, False or None"),
     ("overwrite", 0, "must be True or False"),
+    ("node_local", "yes", "must be True or False"),
     ("storage_options", "http://127.0.0.1:9000", "must be a mapping"),
 ]
 

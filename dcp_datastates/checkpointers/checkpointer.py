@@ -94,7 +94,9 @@ class Checkpointer:
         memory: A :class:`~dcp_datastates.checkpointers.memory.MemoryTier`: each save is
             committed in host memory that outlives the process first, then flushed to
             ``root`` in the background (``memtier.py``); a restart loads the newest step
-            committed in either, memory first. ``latest`` names the newest durable step.
+            committed in either, memory first. ``latest`` names the newest durable step. The
+            writer made here saves ``node_local`` (one memory directory per node); a writer
+            passed in must too where ranks run on several nodes.
 
     The options of its own are checked as :class:`CheckpointerOptions` (a bad one raises
     ``ValueError`` naming it). :attr:`last_summary` is one line about the newest committed
@@ -146,6 +148,8 @@ class Checkpointer:
                 "options to the writer you pass, or pass no writer"
             )
         self._owns_writer = writer is None
+        if memory is not None and writer is None:  # each node commits into its own memory
+            writer_options.setdefault("node_local", True)
         try:
             self.writer = (
                 writer if writer is not None else DataStatesWriter(self.root, **writer_options)

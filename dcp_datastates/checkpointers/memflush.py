@@ -50,6 +50,11 @@ class FlushError(DataStatesError):
     """Copying a step committed in memory to the durable root failed on some rank."""
 
 
+def _prefixed(meta: Any, prefix: str) -> list[str]:
+    names = (i.relative_path for i in meta.storage_data.values())
+    return [n for n in names if n.startswith(prefix)]
+
+
 def _read(path: str) -> bytes | None:
     try:
         with open(path, "rb") as f:
@@ -81,6 +86,7 @@ class Flusher:
         self.segment, self.durable_root = segment, durable_root
         self.rank, self.group, self.on_durable, self.on_error = rank, group, on_durable, on_error
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "datastates-memflush")
+        self.peers: Any = None  # a PeerReplicator, set by the memory tier when it has one
         self.flushes: dict[int, Future[None]] = {}
         self.durable: set[int] = set()
 
@@ -117,6 +123,30 @@ class Flusher:
             self.durable.add(step)
             return
         target = steps.path(self.durable_root, step) + (steps.REPLACING if mode == _REPLACE else "")
+        replica = self._replicate(step, metadata, manifest is not None)
+        try:
+            self._to_disk(step, metadata, manifest, mode, target)
+        finally:
+            if replica is not None:
+                try:
+                    replica.result()
+                except Exception as exc:  # the step is on disk (or the flush says why not)
+                    logger.warning("rank %d: step %d has no peer copy: %s", self.rank, step, exc)
+
+    def _replicate(self, step: int, metadata: bytes, manifest: bool) -> Future[Any] | None:
+        """Every rank at once (the flushes run in one order): this rank's files of ``step``,
+        with the commit records, to its peer on another node."""
+        if self.peers is None:
+            return None
+        meta = load_metadata(io.BytesIO(metadata), self.segment.step_path(step))
+        files = [*sorted(set(_prefixed(meta, f"__{self.rank}_"))), METADATA_NAME]
+        files += [MANIFEST_NAME] if manifest else []
+        place = self.segment.step_path(step)
+        return self.peers.replicate(step, place, files, self.segment.root)
+
+    def _to_disk(
+        self, step: int, metadata: bytes, manifest: bytes | None, mode: str, target: str
+    ) -> None:
         error: BaseException | None = None
         try:
             self._copy_own(step, metadata, target)
@@ -177,10 +207,11 @@ class Flusher:
         source = self.segment.step_path(step)
         meta = load_metadata(io.BytesIO(metadata), os.path.join(source, METADATA_NAME))
         prefix = f"__{self.rank}_"
-        # Every file the commit names as this rank's: one missing (a node's memory lost)
-        # fails the flush rather than committing a torn checkpoint.
-        names = sorted({i.relative_path for i in meta.storage_data.values()})
-        names = [n for n in names if n.startswith(prefix)]
+        # Every file the commit names as this rank's: one missing (a node's memory lost and
+        # not restored) fails the flush rather than committing a torn checkpoint.
+        names = sorted(
+            {i.relative_path for i in meta.storage_data.values()} & set(_prefixed(meta, prefix))
+        )
         storage = self.storage(target)
         storage.makedirs()
         sizes = {}

@@ -66,16 +66,25 @@ class MemoryTier:
             copies of the state's bytes of this node's ranks: ``keep`` committed and the one
             being written; a save waits for the oldest one's flush to disk when it would hold
             more.
+        peer_distance: 0 (off), or copy each rank's files of every step to the rank of the same
+            local index this many nodes further round the ring of nodes
+            (:class:`~dcp_datastates.checkpointers.peers.PeerReplicator`), so that a restart
+            that lost a node's memory gets its files back. Costs each node one more copy of
+            another node's bytes per step kept.
     """
 
     base: str = "/dev/shm"
     job_id: str | None = None
     node: str | None = None
     keep: int = 1
+    peer_distance: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
             raise ValueError(f"MemoryTier(keep={self.keep!r}) must be an int of at least 1")
+        d = self.peer_distance
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise ValueError(f"MemoryTier(peer_distance={d!r}) must be an int >= 0 (0: off)")
         if not isinstance(self.base, str) or not os.path.isabs(self.base):
             raise ValueError(f"MemoryTier(base={self.base!r}) must be an absolute directory")
         for name in ("job_id", "node"):
@@ -196,6 +205,29 @@ class Segment:
         """Data files ``step``'s ``.metadata`` names that this node's directory lacks."""
         place = self.step_path(step)
         return [n for n in data_files(place) if not os.path.exists(os.path.join(place, n))]
+
+    def own_steps(self) -> list[int]:
+        """Committed steps whose data files written by this rank are all here."""
+        prefix = f"__{self.rank}_"
+        held = []
+        for step in self.committed_steps():
+            try:
+                names = [n for n in data_files(self.step_path(step)) if n.startswith(prefix)]
+            except Exception:
+                continue
+            if all(os.path.exists(os.path.join(self.step_path(step), n)) for n in names):
+                held.append(step)
+        return held
+
+    def replica_steps(self) -> list[int]:
+        """Steps of which this node holds another rank's peer replica."""
+        found = set()
+        peer = os.path.join(self.root, "peer")
+        for source in _names(peer):
+            for name in _names(os.path.join(peer, source)):
+                if (m := re.match(r"^step_(\d+)$", name)) is not None:
+                    found.add(int(m.group(1)))
+        return sorted(found)
 
     def bytes_held(self) -> int:
         total = 0

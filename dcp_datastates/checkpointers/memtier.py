@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from . import resume
 from .memflush import Flusher
 from .memory import MemoryTier, Segment
+from .peers import PeerReplicator, PeerRestoreError
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,25 @@ class MemorySide:
         self.tier, self.root, self.rank, self.world = tier, root, rank, world
         self.segment = Segment(tier, root, rank, world)
         self.flusher = flusher_class(self.segment, root, rank, group, on_durable, on_error)
+        self.peers: PeerReplicator | None = None
+        if tier.peer_distance and group is not None and self.segment.usable:
+            self.peers = self._replicator(group)
+            self.flusher.peers = self.peers
+
+    def _replicator(self, group: dist.ProcessGroup) -> PeerReplicator | None:
+        """Every rank's node (one all-gather), then the replicator (collective)."""
+        nodes: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(nodes, self.segment.node, group=group)
+        ids = {n: i for i, n in enumerate(sorted(set(nodes)))}
+        try:
+            return PeerReplicator(
+                node_of_rank=[ids[n] for n in nodes],
+                distance=self.tier.peer_distance,
+                keep=self.tier.keep + 1,
+            )
+        except ValueError as exc:  # one node, or nodes of unequal sizes: the same on all ranks
+            logger.warning("rank %d: no peer copies: %s", self.rank, exc)
+            return None
 
     @classmethod
     def open(
@@ -120,6 +141,7 @@ class MemorySide:
         """Every place to try, newest step first and memory before disk for one step; the same
         list on every rank (one all-gather of what each rank's memory holds)."""
         self.segment.drop_uncommitted()
+        self._recover(ranks)
         mine: dict[int, str | None] = {}
         unusable = self.segment.problem
         if unusable is None and self.segment.saved_world not in (None, self.world):
@@ -162,9 +184,65 @@ class MemorySide:
             )
             for s in memory_steps
         ]
-        found += [resume.Candidate(s, DURABLE, self.root) for s in durable_order]
+        finished = self._finish_on_disk(views, durable_order)
+        found += [resume.Candidate(s, DURABLE, self.root) for s in finished + durable_order]
         # The durable order is `latest` first: keep it among the durable ones of one step.
         return sorted(found, key=lambda c: (-c.step, c.tier != MEMORY))
+
+    def _recover(self, ranks: resume.Ranks) -> None:
+        """With peers: the newest step any rank holds (its own or a replica); each rank that
+        lost its own copy gets its files back from its peer (collective; all or none)."""
+        if self.peers is None:
+            return
+        own = self.segment.own_steps()
+        newest = max(own + self.segment.replica_steps(), default=-1)
+        views: list[Any] = [None] * dist.get_world_size(ranks.vote_group)
+        dist.all_gather_object(views, newest, group=ranks.vote_group)
+        step = max(views)
+        if step < 0:
+            return
+        lost = step not in own
+        try:
+            place, root = Path(self.step_path(step)), Path(self.segment.root)
+            got = self.peers.restore(step, lost, place, root)
+        except PeerRestoreError as exc:
+            logger.warning("rank %d: step %d not restored from peers: %s", self.rank, step, exc)
+            return
+        if lost:
+            logger.warning(
+                "rank %d: this node's memory had lost step %d; restored %d file(s) from rank %d",
+                self.rank,
+                step,
+                len(got),
+                self.peers.peer,
+            )
+
+    def _finish_on_disk(self, views: list[Any], durable_order: list[int]) -> list[int]:
+        """The newest memory step every rank holds its own part of, when no node's memory holds
+        all of it (several nodes) and ``root`` lacks it: flushed to ``root`` now, so that the
+        restart loads it from there (collective). Returns ``[step]`` once it is durable."""
+        held = [set(h) for _, h in views]
+        common = set.intersection(*held) if held else set()
+        if not common or any(u is not None for u, _ in views):
+            return []
+        step = max(common)
+        if step in durable_order or all(h[step] is None for _, h in views):
+            return []  # on disk already, or some node's memory loads it whole
+        if any(not str(h[step]).startswith("incomplete") for _, h in views if h[step]):
+            return []  # unreadable somewhere: not this rank's own part missing
+        try:
+            self.flusher._flush(step)  # noqa: SLF001 - on this thread: no flush is queued now
+        except Exception as exc:
+            logger.warning("rank %d: step %d could not be made durable: %s", self.rank, step, exc)
+            return []
+        logger.warning(
+            "rank %d: step %d was in memory only, spread over several nodes: flushed to %s to "
+            "resume from there",
+            self.rank,
+            step,
+            self.root,
+        )
+        return [step]
 
     def after_load(self, loaded: resume.Candidate | None) -> None:
         """Keep only the memory step just loaded (a newer one did not load on every rank, an
@@ -179,5 +257,7 @@ class MemorySide:
 
     def close(self, *, remove: bool) -> None:
         self.flusher.close()
+        if self.peers is not None:
+            self.peers.close()
         if remove:
             self.segment.remove()

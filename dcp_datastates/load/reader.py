@@ -29,23 +29,19 @@ import logging
 import os
 import pickle
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
 from crc32c import crc32c
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from .._concurrency.futures import completed
-from .._dcp_private import ExtensionRegistry, StreamTransformExtension, set_element
-from ..errors import CheckpointNotCommittedError, ChecksumMismatchError, unknown_options
+from .._dcp_private import ExtensionRegistry
+from ..errors import ChecksumMismatchError, unknown_options
 from ..format import (
-    DATA_SUFFIX,
-    METADATA_NAME,
-    RANK_METADATA,
     RecordInfo,
     committed_with_manifest,
     decode_manifest_full,
@@ -54,10 +50,13 @@ from ..format import (
     metadata_name,
 )
 from ..storage.base import LocalStorage, storage_for
+from .coop import COOP_ROUND_BYTES, CooperativeRead, cooperative_group_fits
+from .coop_plan import Schedule, plan_cooperative
+from .decode import FRAME_SLACK, set_loaded_object, transform_from
 from .fetch import Fetch, FetchOptions, Record
 from .object_records import MISS, fast_load
 from .safety import check_extents, check_object_record, check_relative_path, load_metadata
-from .step_dirs import checkpoints_inside
+from .step_dirs import not_committed
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +79,12 @@ class DataStatesReader(StorageReader):
             checks raises :class:`~dcp_datastates.errors.UnsafeCheckpointError`.
         storage_options: Keyword arguments for the fsspec file system of a URL path (for
             ``s3://``: ``endpoint_url``, ``key``, ``secret``, ...; see ``docs/storage.md``).
+        cooperative: Read each record once among the ranks (:mod:`~dcp_datastates.load.coop`):
+            where several ranks need the same record (replicas, replicated state, overlapping
+            shards when resharding), one reads it and sends the others their part over
+            ``process_group``. The coordinator's reader decides; its group must take CPU
+            tensors (gloo, or ``cpu:gloo,cuda:nccl``), else the load reads as usual.
+        process_group: The group ``dcp.load`` runs on (default: the default group).
     """
 
     def __init__(
@@ -91,6 +96,8 @@ class DataStatesReader(StorageReader):
         io_workers: int = 4,
         trusted: bool = False,
         storage_options: dict[str, Any] | None = None,
+        cooperative: bool = False,
+        process_group: Any = None,
         **unknown: Any,
     ) -> None:
         super().__init__()
@@ -99,7 +106,7 @@ class DataStatesReader(StorageReader):
             raise unknown_options("DataStatesReader", sorted(unknown), known[1:])
         if not isinstance(io_workers, int) or isinstance(io_workers, bool) or io_workers < 1:
             raise ValueError(f"io_workers must be an int of at least 1, got {io_workers!r}")
-        for name, value in (("verify", verify), ("trusted", trusted)):
+        for name, value in (("verify", verify), ("trusted", trusted), ("cooperative", cooperative)):
             if not isinstance(value, bool):  # "no" would be truthy: verify on, trust on
                 raise ValueError(f"DataStatesReader({name}={value!r}): must be True or False")
         self.path = os.fspath(path)
@@ -113,6 +120,8 @@ class DataStatesReader(StorageReader):
         self.rank: int | None = None  # set by read_metadata(rank=) / set_up_storage_reader
         self.use_collectives = True
         self.storage_options = storage_options
+        self.cooperative = cooperative
+        self.process_group = process_group
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -154,7 +163,7 @@ class DataStatesReader(StorageReader):
     def _read_metadata(self, rank: int | None) -> Metadata:
         name = metadata_name(rank)
         if not self.storage.exists(name):
-            raise self._not_committed(name)
+            raise not_committed(self.storage, self.path, name)
         with self.storage.open_read(name) as f:
             blob = f.read()
         if self._metadata_rank != rank:
@@ -282,38 +291,6 @@ class DataStatesReader(StorageReader):
                 checked.add(name)
         check_extents(self.storage, records)
 
-    def _not_committed(self, name: str) -> CheckpointNotCommittedError:
-        names = self.storage.list_names()
-        if not names:  # a typo in the path is not a save that did not finish (a user sweep)
-            return CheckpointNotCommittedError(
-                f"there is no checkpoint at {self.path}: the directory does not exist or is "
-                "empty; check the path"
-            )
-        if name != METADATA_NAME and METADATA_NAME in names:
-            # dcp.load asks for __{rank}.metadata only after reading .metadata failed: saying
-            # "not committed" here hid a damaged checkpoint's cause behind a wrong one.
-            return CheckpointNotCommittedError(
-                f"{self.path} has no {name}: it was committed with collectives, in "
-                f"{METADATA_NAME} (read_metadata() without rank); dcp.load asks for {name} "
-                f"only after reading {METADATA_NAME} failed, and that error says why"
-            )
-        found = [n for n in names if n.endswith(DATA_SUFFIX)]
-        if not found and (inside := checkpoints_inside(self.storage, names, verb="load")):
-            return CheckpointNotCommittedError(
-                f"{self.path} is not a checkpoint, but it holds checkpoint directories: {inside}"
-            )
-        per_rank = sorted(n for n in names if RANK_METADATA.match(n))
-        hint = (
-            f"; it has per-rank commit records ({', '.join(per_rank[:4])}) of a save with "
-            "use_collectives=False, which dcp.load reads by itself (read_metadata(rank=R))"
-            if per_rank and name == METADATA_NAME
-            else ". The save that wrote it did not finish; load an earlier checkpoint"
-        )
-        return CheckpointNotCommittedError(
-            f"{self.path} is not a committed checkpoint: it has no {name} "
-            f"({len(found)} data file(s) found){hint}"
-        )
-
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
@@ -328,7 +305,13 @@ class DataStatesReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        if not self.cooperative or len(plans) < 2 or self.metadata is None:
+            return plans
+        if not cooperative_group_fits(self.process_group, len(plans)):
+            return plans
+        return plan_cooperative(
+            plans, self.metadata, self.record_length, round_bytes=COOP_ROUND_BYTES
+        )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         try:
@@ -339,24 +322,37 @@ class DataStatesReader(StorageReader):
         return completed(None)
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        records, targets = self._plan_reads(plan, planner)
+        if isinstance(plan.storage_data, Schedule):  # the coordinator planned a cooperative load
+            CooperativeRead(self, plan, planner, plan.storage_data, self.process_group).run()
+            return
+        fetch, targets = self.fetch_items(plan.items, planner)
+        self.commit_items(fetch, targets, planner)
+
+    def fetch_items(
+        self,
+        items: Sequence[ReadItem],
+        planner: LoadPlanner,
+        resolved: dict[ReadItem, torch.Tensor] | None = None,
+    ) -> tuple[Fetch, dict[ReadItem, torch.Tensor]]:
+        """Read ``items`` from storage into their targets: ``resolved``'s, else the planner's
+        (a cooperative load passes staging tensors for regions it reads for other ranks)."""
+        records, targets = self._plan_reads(items, planner, resolved or {})
         fetch = Fetch(self.storage, records, targets, self.fetch_options, self._decode)
         fetch.run()
-        for req, target in targets.items():
-            planner.commit_tensor(req, target)
-        for req, blob in fetch.blobs.items():
-            name = self.metadata.storage_data[req.storage_index].relative_path
-            self._load_bytes(name, req, blob, planner)
+        return fetch, targets
 
     def _plan_reads(
-        self, plan: LoadPlan, planner: LoadPlanner
+        self,
+        items: Sequence[ReadItem],
+        planner: LoadPlanner,
+        resolved: dict[ReadItem, torch.Tensor],
     ) -> tuple[list[Record], dict[ReadItem, torch.Tensor]]:
-        """The plan's records (items sharing one are read once) and each tensor item's target,
-        resolved here, on DCP's thread: planners need not be thread-safe."""
+        """The items' records (items sharing one are read once) and each tensor item's target
+        (the simulator times this alone)."""
         assert self.metadata is not None
         records: dict[tuple[str, int], Record] = {}
         targets: dict[ReadItem, torch.Tensor] = {}
-        for req in plan.items:
+        for req in items:
             sinfo = self.metadata.storage_data[req.storage_index]
             record = records.get((sinfo.relative_path, sinfo.offset))
             if record is None:
@@ -375,8 +371,31 @@ class DataStatesReader(StorageReader):
                 records[(sinfo.relative_path, sinfo.offset)] = record
             record.reqs.append(req)
             if req.type != LoadItemType.BYTE_IO:
-                targets[req] = planner.resolve_tensor(req).detach()
+                # Resolved here, on DCP's thread: planners need not be thread-safe.
+                target = resolved.get(req)
+                targets[req] = planner.resolve_tensor(req).detach() if target is None else target
         return list(records.values()), targets
+
+    def commit_items(
+        self,
+        fetch: Fetch,
+        targets: dict[ReadItem, torch.Tensor],
+        planner: LoadPlanner,
+        skip: Collection[ReadItem] = (),
+    ) -> None:
+        """Hand what ``fetch`` read to the planner (all but ``skip``'s items)."""
+        for req, target in targets.items():
+            if req not in skip:
+                planner.commit_tensor(req, target)
+        for req, blob in fetch.blobs.items():
+            if req not in skip:
+                self.load_object(req, blob, planner)
+
+    def record_length(self, index: MetadataIndex) -> int:
+        """Bytes of the record that holds item ``index`` (what reading it costs)."""
+        assert self.metadata is not None
+        info = self._record(index)
+        return info.length if info else self.metadata.storage_data[index].length
 
     def _decode(self, record: Record, raw: memoryview) -> bytes:
         """A record written through stream transforms (``_extensions``), decoded as stock
@@ -393,8 +412,8 @@ class DataStatesReader(StorageReader):
         limit = None
         if record.saved is not None:  # a tensor record: its data plus a small zip frame
             dtype, sizes = record.saved
-            limit = torch.Size(sizes).numel() * dtype.itemsize + _FRAME_SLACK
-        return _transform_from(extensions, raw, where, limit)
+            limit = torch.Size(sizes).numel() * dtype.itemsize + FRAME_SLACK
+        return transform_from(extensions, raw, where, limit)
 
     def _record(self, index: MetadataIndex) -> RecordInfo | None:
         if self.manifest is None:
@@ -409,16 +428,19 @@ class DataStatesReader(StorageReader):
                 return md.properties.dtype, chunk.sizes  # type: ignore[union-attr]
         raise KeyError(f"no saved chunk of {index.fqn!r} at offset {tuple(index.offset)}")
 
-    def _load_bytes(self, name: str, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
+    def load_object(self, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
+        """An object item's record (``blob``) into the planner's state, safely unless trusted."""
+        assert self.metadata is not None
+        name = self.metadata.storage_data[req.storage_index].relative_path
         if self.trusted:
             value = fast_load(blob)  # plain data: no torch.load (trusted or not, same value)
-            if value is MISS or not _set_loaded_object(planner, req, value):
+            if value is MISS or not set_loaded_object(planner, req, value):
                 planner.load_bytes(req, io.BytesIO(blob))
             return
         # DefaultLoadPlanner.load_bytes calls torch.load(weights_only=False): load the record
         # with the weights-only unpickler first, so that a safe load never runs its globals.
         value = check_object_record(blob, self.storage.describe(name), req.storage_index.fqn)
-        if not _set_loaded_object(planner, req, value):
+        if not set_loaded_object(planner, req, value):
             planner.load_bytes(req, io.BytesIO(blob))  # another planner: let it deserialize
 
 
@@ -433,49 +455,3 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if collecting:
             gc.enable()
-
-
-#: Bytes a decoded tensor record may hold beyond its data (torch.save's zip entries and pickle).
-_FRAME_SLACK = 1 << 20
-
-
-def _transform_from(
-    extensions: Sequence[Any], raw: memoryview, where: str, limit: int | None
-) -> bytes:
-    """``raw`` through the extensions' ``transform_from``; at most ``limit`` bytes come out (a
-    record that decompresses to more is refused before it fills memory)."""
-    stream: Any = io.BytesIO(raw)
-    try:
-        for ex in extensions:
-            if isinstance(ex, StreamTransformExtension):
-                stream = ex.transform_from(stream)
-        if limit is None:
-            return stream.read(-1)
-        out = bytearray()
-        while len(out) <= limit:
-            block = stream.read(min(_FRAME_SLACK, limit + 1 - len(out)))
-            if not block:
-                return bytes(out)
-            out += block
-    except Exception as exc:
-        raise ChecksumMismatchError(
-            f"{where}: its record does not decode through {[type(e).__name__ for e in extensions]}"
-            f" ({type(exc).__name__}: {exc}); the checkpoint is damaged"
-        ) from exc
-    raise ChecksumMismatchError(
-        f"{where}: its record decodes to more than {limit} bytes, more than the tensor it holds "
-        "needs; refusing to decode it further (the checkpoint is damaged or hostile)"
-    )
-
-
-def _set_loaded_object(planner: LoadPlanner, req: ReadItem, value: Any) -> bool:
-    """Do what ``DefaultLoadPlanner.load_bytes`` does with an object already loaded (safely),
-    instead of deserializing it a second time; only for exactly that planner."""
-    if type(planner) is not DefaultLoadPlanner:
-        return False
-    fqn = req.dest_index.fqn
-    if planner.flatten_state_dict:
-        set_element(planner.original_state_dict, planner.mappings[fqn], value)
-    else:
-        planner.state_dict[fqn] = value
-    return True

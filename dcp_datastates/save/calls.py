@@ -3,7 +3,8 @@
 Owns: the call ``dcp_datastates.async_save`` announces to the writer (``_ANNOUNCED``), the one
 read off DCP's frame otherwise (``which_call``), this rank and the save's world size, and the
 refusals that keep ranks from failing apart: a checkpoint path that is a file, ranks naming
-different checkpoints (``_RankTarget`` travels in each local plan), a process group destroyed
+different checkpoints (``_RankTarget`` travels in each local plan; allowed, one directory per
+node, with ``WriterOptions.node_local``), a process group destroyed
 before the save ran, and which state errors are handed to the save to fail on every rank.
 """
 
@@ -114,22 +115,38 @@ class _RankTarget:
     """A local plan's ``storage_data`` until the global plan: the checkpoint this rank saves
     to, so that the coordinator refuses a save whose ranks name different checkpoints before
     any of them writes (a path built from the clock on each rank: each rank's files landed in
-    its own directory and the commit failed on a file missing from the coordinator's)."""
+    its own directory and the commit failed on a file missing from the coordinator's), unless
+    every rank saves ``node_local`` (``WriterOptions.node_local``)."""
 
     path: str
+    node_local: bool = False
 
 
-def _refuse_split_targets(plans: Sequence[SavePlan]) -> None:
+def _refuse_split_targets(plans: Sequence[SavePlan], coordinator: str) -> list[int] | None:
     """Raises ``WriterUsageError`` naming each rank's checkpoint where the ranks' local plans
-    (:class:`_RankTarget`) name more than one."""
+    (:class:`_RankTarget`) name more than one and not every rank saves ``node_local`` (or the
+    ranks disagree on it). Returns the ranks whose files the coordinator's directory
+    (``coordinator``) holds, where node-local ranks name several; else None (every rank's)."""
     if _dcp_private.plan_caching_in_use():  # cached plans name earlier saves' checkpoints
-        return
+        return None
+    targets = {
+        r: p.storage_data for r, p in enumerate(plans) if isinstance(p.storage_data, _RankTarget)
+    }
+    local = {r for r, t in targets.items() if t.node_local}
+    if local and len(local) != len(plans):
+        apart = sorted(set(range(len(plans))) - local)
+        raise WriterUsageError(
+            f"the ranks of one save disagree on node_local: ranks {sorted(local)[:8]} pass "
+            f"node_local=True, ranks {apart[:8]} do not; nothing was written. Give every rank's "
+            "DataStatesWriter the same node_local"
+        )
     ranks_at: dict[str, list[int]] = {}
-    for rank, plan in enumerate(plans):
-        if isinstance(plan.storage_data, _RankTarget):
-            ranks_at.setdefault(plan.storage_data.path, []).append(rank)
+    for rank, target in targets.items():
+        ranks_at.setdefault(target.path, []).append(rank)
     if len(ranks_at) < 2:
-        return
+        return None
+    if local:
+        return ranks_at.get(coordinator, [])
     shown = sorted(ranks_at.items(), key=lambda kv: kv[1][0])
     where = "; ".join(
         f"rank {ranks[0]}: {path}" + (f" (and {len(ranks) - 1} more ranks)" if ranks[1:] else "")
@@ -139,7 +156,8 @@ def _refuse_split_targets(plans: Sequence[SavePlan]) -> None:
     raise WriterUsageError(
         f"the ranks of one save name {len(shown)} different checkpoints ({where}{more}); "
         "nothing was written. Pass every rank the same checkpoint_id: build it on one rank "
-        "(e.g. from the step, not the clock) or broadcast rank 0's"
+        "(e.g. from the step, not the clock) or broadcast rank 0's; or, for one directory "
+        "per node that is brought together later, pass node_local=True"
     )
 
 

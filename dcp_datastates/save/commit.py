@@ -99,9 +99,13 @@ def commit(
     sync: bool,
     rank: int | None = None,
     commit_rank: int | None = None,
+    ranks_here: list[int] | None = None,
 ) -> None:
     """Write the manifest and then ``.metadata`` (``__{commit_rank}.metadata`` and its manifest
-    for a save with ``use_collectives=False``). ``.metadata`` holds stock DCP types only."""
+    for a save with ``use_collectives=False``). ``.metadata`` holds stock DCP types only.
+    ``ranks_here``: a node-local save's ranks whose files this directory holds
+    (``WriterOptions.node_local``); only theirs are checked whole, the other nodes' are
+    checked where their directories are brought together. None: every rank's."""
     storage_data: dict = {}
     entries: dict[str, RecordInfo] = {}
     for rank_results in results:
@@ -123,7 +127,7 @@ def commit(
         torch_version=torch.__version__,
         metadata_crc32c=crc32c(metadata_blob),  # a reader checks it before unpickling
     )
-    _check_sizes(storage, entries, rank)
+    _check_sizes(storage, _of_ranks(entries, ranks_here), rank)
     written = {info.relative_path for info in entries.values()}
     manifest_file, metadata_file = manifest_name(commit_rank), metadata_name(commit_rank)
     # The manifest and the commit record are replaced, not removed.
@@ -163,6 +167,14 @@ def _check_complete(
             "after a save that failed while planning: save again with a planner without "
             "caching, or restart the processes"
         )
+
+
+def _of_ranks(entries: dict[str, RecordInfo], ranks: list[int] | None) -> dict[str, RecordInfo]:
+    """The entries whose data files the ranks ``ranks`` wrote (``__{rank}_{n}``); all for None."""
+    if ranks is None:
+        return entries
+    prefixes = tuple(f"__{r}_" for r in ranks)
+    return {k: i for k, i in entries.items() if i.relative_path.startswith(prefixes)}
 
 
 def _check_sizes(storage: Storage, entries: dict[str, RecordInfo], rank: int | None) -> None:

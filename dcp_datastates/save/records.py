@@ -55,6 +55,9 @@ class _Save:
         self.rank = _current_rank()
         self.is_coordinator = True
         self.use_collectives = True
+        # Node-local saves whose ranks name several directories: the ranks sharing the
+        # coordinator's, whose files its commit checks (calls._refuse_split_targets).
+        self.here: list[int] | None = None
         # StorageMeta.save_id, as stock writers make one; ours says a manifest was committed.
         self.save_id = new_save_id()
         self.session: SnapshotSession | None = None

@@ -404,13 +404,14 @@ class DataStatesWriter(StorageWriter, AsyncStager, StockWriterAttributes):
         elif plan.storage_data is None and dist.is_initialized() and dist.get_world_size() > 1:
             # Several processes: the coordinator checks that every rank names one checkpoint.
             # (The planner matched the plan to its cache before: global_plan.py.)
-            target = _RankTarget(save.storage.describe("").rstrip("/"))
+            target = _RankTarget(save.storage.describe("").rstrip("/"), self.options.node_local)
             plan = dataclasses.replace(plan, storage_data=target)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save = self._save()
-        _refuse_split_targets(plans)  # before anything is removed or written
+        # Before anything is removed or written; node-local: the ranks whose files it checks.
+        save.here = _refuse_split_targets(plans, save.storage.describe("").rstrip("/"))
         # Also the records of a save with the other use_collectives setting: its data files have
         # the same names (a user sweep: overwrite=False saved over one, and an old .metadata
         # was left committing overwritten data).
@@ -468,6 +469,7 @@ class DataStatesWriter(StorageWriter, AsyncStager, StockWriterAttributes):
                 sync=self.options.sync_files,
                 rank=save.rank,
                 commit_rank=save.commit_rank,
+                ranks_here=save.here,
             )
         except BaseException as exc:
             _records.failed(self, save, exc)

@@ -5,8 +5,9 @@ fault per 4 KiB page (1.0-1.3 s per GB in a fresh process here, 2.3 s per GB wit
 running, against 0.3 s for the same copy into touched memory), which made the first save several
 times slower than the next ones. Here the buffer is an anonymous mapping that the kernel
 populates one slice per call (``MADV_POPULATE_WRITE``, Linux 5.14+: 0.7-0.8 s per GB, no fault
-per page) on a background thread, from the start, so copies use the populated front while the
-rest is populated. Where the kernel refuses that advice, slices are touched by writing zeros.
+per page) on background threads (up to four, each its own slices), from the start, so copies
+use the populated front while the rest is populated. Where the kernel refuses that advice, slices
+are touched by writing zeros.
 
 Transparent huge pages are advised *off* for it: in a fresh process, getting 2 MiB pages (by
 fault or by populate) cost 4.5-6 s per GB on this machine, several times the 4 KiB pages' cost.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 
 import torch
 
@@ -30,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 #: Bytes populated per call: small enough that the first copy starts soon.
 SLICE_BYTES = 64 << 20
+#: Threads that populate a pool at once: the kernel takes each one's faults on its own core.
+POPULATE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 class PopulatedBuffer:

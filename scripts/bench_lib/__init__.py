@@ -13,4 +13,6 @@ scaling.py   cost against state size and tensor count
 ranks.py     the save scenario on two gloo ranks
 report.py    summary tables, ratios and targets (met / MISSED / limited)
 objstore.py  S3 on loopback (moto): stock Fsspec vs ours, and the tiered save (named only)
+coop.py      four gloo ranks load a replicated state: bytes read and time, cooperative or not
+             (named only: coopload)
 """

@@ -54,7 +54,7 @@ def run(
     import boto3
 
     try:
-        with moto_process() as endpoint:
+        with moto_process() as (endpoint, _):
             bucket = f"bench-{uuid.uuid4().hex[:8]}"
             boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
             opts = {"endpoint_url": endpoint}

@@ -268,7 +268,7 @@ def _load_rank(
         metadata = reader.read_metadata()
         reader.set_up_storage_reader(metadata, is_coordinator=False, rank=rank)
         plan = reshard(metadata)
-        return reader._plan_reads(plan, _Targets())
+        return reader._plan_reads(plan.items, _Targets(), {})
 
     stock_items, stock_s, _ = _timed(stock_plan, False)
     (records, _), ours_s, _ = _timed(ours_plan, False)
