@@ -6,6 +6,7 @@ step may wait), typed state providers and a streaming flush, writing files stock
 
 from . import _moved
 from .checkpointers.checkpointer import Checkpointer
+from .checkpointers.memory import MemoryTier
 from .checkpointers.tier import Tier
 from .checkpointers.tiers import TieredCheckpointer
 from .errors import (
@@ -57,6 +58,7 @@ __all__ = [
     "DataStatesSavePlanner",
     "DataStatesWriter",
     "InvalidStateDictError",
+    "MemoryTier",
     "SaveStats",
     "SnapshotAbortedError",
     "SnapshotMutationError",

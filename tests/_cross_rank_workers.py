@@ -91,6 +91,9 @@ def sample_errors() -> dict[str, BaseException]:
         "CheckpointLoadError": errors.CheckpointLoadError(
             f"rank 1: {CAUSE}", {3: f"ChecksumMismatchError: {CAUSE}"}
         ),
+        "CooperativeLoadError": errors.CooperativeLoadError(
+            f"rank 1: {CAUSE}", {2: f"ChecksumMismatchError: {CAUSE}"}
+        ),
         "CheckpointSaveError": errors.CheckpointSaveError(
             f"rank 1: {CAUSE}", {1: errors.DataStatesError(CAUSE)}
         ),

@@ -103,9 +103,9 @@ def _first_writes_after_staged(
     seen: list[bool] = []
     real = flush_module._flush_file
 
-    def spy(storage, name, items, session, *, sync):  # type: ignore[no-untyped-def]
+    def spy(storage, name, items, session, **kw):  # type: ignore[no-untyped-def]
         seen.append(session.staged.done())
-        return real(storage, name, items, session, sync=sync)
+        return real(storage, name, items, session, **kw)
 
     monkeypatch.setattr(flush_module, "_flush_file", spy)
     state = {f"t{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB
@@ -156,7 +156,7 @@ def test_a_flush_the_snapshot_waits_for_keeps_its_priority_until_the_snapshot_is
     writes: list[tuple[bool, int]] = []  # (staged yet, nice of the writing thread)
     real_flush_file = flush_module._flush_file
 
-    def watching(storage, name, group, session, *, sync):  # noqa: ANN001, ANN202
+    def watching(storage, name, group, session, **kw):  # noqa: ANN001, ANN202
         class Watch:
             def __init__(self, inner: object) -> None:
                 self.inner = inner
@@ -169,7 +169,7 @@ def test_a_flush_the_snapshot_waits_for_keeps_its_priority_until_the_snapshot_is
                 writes.append((self.inner.staged.done(), _nice_of_current_thread()))
                 return data
 
-        return real_flush_file(storage, name, group, Watch(session), sync=sync)
+        return real_flush_file(storage, name, group, Watch(session), **kw)
 
     monkeypatch.setattr(flush_module, "_flush_file", watching)
     state = {f"t{i}": torch.full((256, 1024), float(i)) for i in range(8)}  # 8 MiB

@@ -75,10 +75,12 @@ def test_sigkill_mid_flush_resumes_from_memory_bit_exactly_and_then_makes_it_dur
         wait_until(
             lambda: (
                 all(f"flush blocked {step_dir_name(10)}" in _out(run, r) for r in (0, 1))
+                # and trained on to step 12, what the restart is compared with
+                and all(12 in _lines(run, r, "step") for r in (0, 1))
                 or any(p.poll() is not None for p in procs)
             ),
             BOUNDED_S,
-            "both ranks holding step 10's flush",
+            "both ranks holding step 10's flush, at step 12",
             poll=0.02,
         )
         assert all(p.poll() is None for p in procs), _out(run, 0) + _out(run, 1)
@@ -137,10 +139,12 @@ def test_a_lost_node_gets_its_files_back_from_its_peer_and_the_step_resumes_bit_
             lambda: (
                 all(f"flush blocked {step_dir_name(10)}" in _out(run, r) for r in range(4))
                 and all((r / ".replica.json").exists() for r in replicas)
+                # and trained on to step 12, what the restart is compared with
+                and all(12 in _lines(run, r, "step") for r in range(4))
                 or any(p.poll() is not None for p in procs)
             ),
             BOUNDED_S,
-            "every rank holding step 10's flush, its peer copies made",
+            "every rank holding step 10's flush, its peer copies made, at step 12",
             poll=0.02,
         )
         assert all(p.poll() is None for p in procs), "".join(_out(run, r) for r in range(4))

@@ -196,11 +196,14 @@ class Flusher:
             dist.broadcast_object_list(box, group=self.group, group_src=0)
         if isinstance(box[0], tuple) and self.rank != 0:
             metadata, manifest, _ = box[0]
-            own = LocalStorage(self.segment.step_path(step))
-            if not own.exists(METADATA_NAME):  # another node: make its copy whole
+            place = self.segment.step_path(step)
+            if not os.path.exists(os.path.join(place, METADATA_NAME)):
+                # Another node: make its copy whole. Every rank of that node gets here at once,
+                # so each writes through a temporary name of its own (a shared one was renamed
+                # away under the other: FileNotFoundError, a failed save).
                 if manifest is not None:
-                    own.put_atomic(MANIFEST_NAME, manifest, sync=False)
-                own.put_atomic(METADATA_NAME, metadata, sync=False)
+                    _put_own(place, MANIFEST_NAME, manifest)
+                _put_own(place, METADATA_NAME, metadata)
         return box[0]
 
     def _copy_own(self, step: int, metadata: bytes, target: str) -> None:
@@ -250,3 +253,12 @@ class Flusher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _put_own(directory: str, name: str, data: bytes) -> None:
+    """``name`` in ``directory`` written whole, through a temporary name of this process's."""
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, os.path.join(directory, name))
