@@ -395,11 +395,16 @@ class Checkpointer:
 
         Raises :class:`~dcp_datastates.CheckpointNotCommittedError` listing the committed steps
         if it has none, and :class:`~dcp_datastates.CheckpointLoadError` if it does not load
-        (no fallback: that step was asked for). ``latest`` does not move."""
+        (no fallback: that step was asked for). ``latest`` does not move. With a memory tier,
+        a step committed in memory on every rank loads from there (and is then flushed to
+        ``root`` if it is not durable yet), else from ``root``."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be an int >= 0: one of committed_steps()")
         self._wait_in_flight()
-        resume.load_step(self.root, step, app_state, reader_options, self._ranks())
+        if self._memory is None or not self._memory.load_step(
+            step, app_state, reader_options, self._ranks()
+        ):
+            resume.load_step(self.root, step, app_state, reader_options, self._ranks())
         self._committed_step = step
         return step
 

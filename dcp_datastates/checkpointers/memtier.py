@@ -110,6 +110,44 @@ class MemorySide:
         self.after_load(found)
         return None if found is None else found.step
 
+    def load_step(
+        self,
+        step: int,
+        app_state: dict[str, Any],
+        reader_options: dict[str, Any],
+        ranks: resume.Ranks,
+    ) -> bool:
+        """``Checkpointer.load(step=...)`` from memory: True once every rank loaded ``step``
+        from its memory (then flushed, a no-op when it is durable already); False, loading
+        nothing, when some rank's memory lacks it whole (the caller loads it from ``root``)."""
+        problem = self.segment.problem
+        if problem is None and self.segment.saved_world not in (None, self.world):
+            problem = f"it holds a save of {self.segment.saved_world} ranks"
+        if problem is None and step not in self.segment.committed_steps():
+            problem = "not committed in this node's memory"
+        if problem is None:
+            try:
+                missing = self.segment.missing_files(step)
+            except Exception as exc:  # an unreadable .metadata: the durable copy may load
+                problem = f"unreadable: {exc}"
+            else:
+                problem = f"{len(missing)} data file(s) missing" if missing else None
+        if ranks.failing(problem is not None):
+            return False
+        reason, error = resume.try_step(self.segment.root, step, app_state, reader_options, ranks)
+        if reason is not None:
+            logger.warning(
+                "rank %d: step %d did not load from memory (%s): %s; loading it from %s",
+                self.rank,
+                step,
+                self.segment.root,
+                reason,
+                self.root,
+            )
+            return False
+        self.flush(step)
+        return True
+
     def agree_usable(self, ranks: resume.Ranks) -> bool:
         """Whether every rank can use its segment (one all-reduce); logs why not."""
         if not ranks.failing(not self.segment.usable):
