@@ -3,13 +3,20 @@ and a memory file system too small for the steps it is asked to keep."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from _checkpointer_workers import digest
-from test_memtier import _app, _crashed_run
+from _faults_util import mounted_tmpfs
+from test_memtier import LOGGER, _app, _crashed_run
 
+from dcp_datastates import CheckpointSaveError
+from dcp_datastates.checkpointers import steps
 from dcp_datastates.checkpointers.checkpointer import Checkpointer, step_dir_name
-from dcp_datastates.checkpointers.memory import MemoryTier
+from dcp_datastates.checkpointers.memory import MemoryTier, segment_path
 
 
 def test_load_of_a_step_held_only_in_memory_loads_it_from_there_and_makes_it_durable(
@@ -26,3 +33,38 @@ def test_load_of_a_step_held_only_in_memory_loads_it_from_there_and_makes_it_dur
         assert ck.load({"app": app}, step=2) == 2  # durable (and in memory): either way
         assert digest(app) == seen[2]
     assert (root / step_dir_name(3) / ".metadata").exists()  # flushed before the clean exit
+
+
+@pytest.mark.parametrize(
+    ("floats", "then_held"),
+    [(400_000, 1), (900_000, 0)],  # 1.6 MB: one copy fits, two do not; 3.6 MB: none fits
+    ids=["two-copies-do-not-fit", "one-copy-does-not-fit"],
+)
+def test_a_full_memory_tier_fails_one_save_clearly_then_saves_go_on_to_disk(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, floats: int, then_held: int
+) -> None:
+    root = tmp_path / "ckpt"
+    raised = []
+    with mounted_tmpfs(tmp_path, "3m") as small:
+        tier = MemoryTier(base=str(small), job_id="j1", keep=1)
+        with (
+            caplog.at_level(logging.WARNING, logger=LOGGER),
+            Checkpointer(root, every_steps=1, preemption_signals=(), memory=tier) as ck,
+        ):
+            for step in range(1, 8):
+                try:
+                    ck.maybe_save(step, {"w": torch.full((floats,), float(step))})
+                except CheckpointSaveError as exc:
+                    raised.append((step, exc))
+            ck.wait()
+            (node,) = Path(segment_path(tier.base, "j1")).glob("node_*")
+            assert len(list(node.glob("step_*"))) == then_held  # the failed one's files gone
+        assert len(raised) == 1, raised  # once, naming the full device and the memory tier
+        assert "ENOSPC" in str(raised[0][1]) and str(small) in str(raised[0][1])
+        assert any("memory tier" in r.getMessage() and "full" in r.message for r in caplog.records)
+        # Every later save was made durable: the run is never stuck on the step before.
+        assert steps.read_latest(str(root)) == 7
+        assert set(range(raised[0][0] + 1, 8)) <= set(ck.committed_steps())
+        state = {"w": torch.zeros(floats)}
+        dcp.load(state, checkpoint_id=str(root / step_dir_name(7)), no_dist=True)
+        assert torch.equal(state["w"], torch.full((floats,), 7.0))

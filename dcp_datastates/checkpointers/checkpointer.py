@@ -245,9 +245,9 @@ class Checkpointer:
         names) is saved beside it and swapped in once committed (``steps.py``)."""
         self._wait_in_flight()
         replacing = False
-        if self._memory is not None:
-            self._memory.before_save()  # bounds what memory holds; may wait for a flush
-        elif self._rank() == 0 and step != self._committed_step:
+        # Bounds what memory holds (may wait for a flush); False: memory was full, to root.
+        to_memory = self._memory is not None and self._memory.before_save(self._ranks())
+        if not to_memory and self._rank() == 0 and step != self._committed_step:
             steps.settle(self.root)  # what a crash left of a replacement; none is in flight
             replacing = steps.is_committed(steps.path(self.root, step))
         agreed = self._agree(vote_preemption=False, replacing=replacing)
@@ -255,7 +255,7 @@ class Checkpointer:
         if step == self._committed_step:
             return False  # already committed from this state: nothing to save
         path = steps.path(self.root, step) + (steps.REPLACING if agreed.replacing else "")
-        if self._memory is not None:
+        if to_memory and self._memory is not None:
             path = self._memory.step_path(step)  # the flush to root replaces a committed one
         response = async_save(app_state, self.writer, checkpoint_id=path, **self._save_kwargs())
         done = threading.Event()
@@ -270,7 +270,10 @@ class Checkpointer:
         """Runs on DCP's save thread once the save is committed (or failed) on this rank."""
         exc = fut.exception()
         committed = exc is None
-        if exc is None and self._memory is not None:
+        in_memory = self._memory is not None and path == self._memory.step_path(step)
+        if exc is not None and in_memory:
+            self._memory.save_failed(step, exc)
+        elif exc is None and in_memory:
             self._memory.flush(step)  # committed in memory: `latest` moves once it is durable
         elif exc is None:
             try:

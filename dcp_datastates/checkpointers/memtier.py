@@ -13,6 +13,7 @@ May import: ``load``, ``storage`` and the leaves.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -29,6 +30,18 @@ from .peers import PeerReplicator, PeerRestoreError
 logger = logging.getLogger(__name__)
 
 MEMORY, DURABLE = "memory", "durable"
+
+
+def no_space(exc: BaseException | None, depth: int = 0) -> bool:
+    """Whether ``exc`` (or what it wraps: its cause, DCP's per-rank failures) is ENOSPC."""
+    if exc is None or depth > 8:
+        return False
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    failures = getattr(exc, "failures", None) or {}
+    inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    inner += [exc.__cause__, exc.__context__]
+    return any(isinstance(e, BaseException) and no_space(e, depth + 1) for e in inner)
 
 
 class MemorySide:
@@ -56,6 +69,12 @@ class MemorySide:
         flusher_class: type[Flusher] = Flusher,
     ) -> None:
         self.tier, self.root, self.rank, self.world = tier, root, rank, world
+        #: Committed steps kept in memory while the next is written; 0 once memory was full.
+        self.keep = tier.keep
+        #: Saves go to ``root`` directly: memory was full even with no step kept.
+        self.direct = False
+        self._full: int | None = None  # the step whose save into memory found it full
+        self._crowded = False  # and memory held committed steps then
         self.segment = Segment(tier, root, rank, world)
         self.flusher = flusher_class(self.segment, root, rank, group, on_durable, on_error)
         self.peers: PeerReplicator | None = None
@@ -165,8 +184,41 @@ class MemorySide:
     def step_path(self, step: int) -> str:
         return self.segment.step_path(step)
 
-    def before_save(self) -> None:
-        self.flusher.make_room(self.tier.keep)
+    def before_save(self, ranks: resume.Ranks) -> bool:
+        """Bound what memory holds before a save (may wait for a flush); returns whether the
+        save goes to memory (every rank agrees: one all-reduce). After a save found memory full
+        on some rank while it held committed steps, the next ones keep none there; after one
+        found it full even so, they go to ``root`` directly (each change logged once)."""
+        full = ranks.failing(self._full is not None)
+        if full:
+            crowded = ranks.failing(self._full is not None and self._crowded)
+            self._full = None
+            if self.keep > 0 and crowded:  # without the committed steps it kept, it may fit
+                self.keep = 0
+                how = "keeping no committed step in memory (a save waits for the last flush)"
+            else:
+                self.direct = True
+                how = "saving to the durable root directly"
+            logger.warning(
+                "rank %d: the memory tier %s was full on rank(s) %s: from now on %s; give it "
+                "more room (MemoryTier(base=...) on a larger file system) for memory-speed saves",
+                self.rank,
+                self.segment.root,
+                full,
+                how,
+            )
+        if self.direct:
+            self.flusher.wait()  # `latest` moves in step order
+            return False
+        self.flusher.make_room(self.keep)
+        return True
+
+    def save_failed(self, step: int, exc: BaseException) -> None:
+        """A save into memory failed (on DCP's save thread): delete what it wrote there, and
+        remember when memory was full."""
+        self.segment.delete_step(step)
+        if no_space(exc):
+            self._full, self._crowded = step, bool(self.segment.committed_steps())
 
     def flush(self, step: int) -> Future[None]:
         return self.flusher.submit(step)
