@@ -78,16 +78,19 @@ def test_two_checkpointers_given_one_job_id_never_share_a_segment(
     tier = MemoryTier(base=str(tmp_path / "shm"), job_id="train")
     model, ema = {"w": torch.ones(8)}, {"w": -torch.ones(8)}
     kw = {"every_steps": 1, "preemption_signals": (), "memory": tier}
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        with Checkpointer(tmp_path / "a", **kw) as a, Checkpointer(tmp_path / "b", **kw) as b:
-            assert b._memory is None  # noqa: SLF001 - off, saying why; `a` keeps the segment
-            for step in (1, 2):
-                a.maybe_save(step, model)
-                b.maybe_save(step, ema)
-            a.wait()
-            b.wait()
-            held = dcp_load_w(Path(a._memory.step_path(2)))  # noqa: SLF001
-            assert torch.equal(held, model["w"])
+    with (
+        caplog.at_level(logging.WARNING, logger=LOGGER),
+        Checkpointer(tmp_path / "a", **kw) as a,
+        Checkpointer(tmp_path / "b", **kw) as b,
+    ):
+        assert b._memory is None  # noqa: SLF001 - off, saying why; `a` keeps the segment
+        for step in (1, 2):
+            a.maybe_save(step, model)
+            b.maybe_save(step, ema)
+        a.wait()
+        b.wait()
+        held = dcp_load_w(Path(a._memory.step_path(2)))  # noqa: SLF001
+        assert torch.equal(held, model["w"])
     assert any("holds the checkpoints of root" in r.getMessage() for r in caplog.records)
     for root, state in ((tmp_path / "a", model), (tmp_path / "b", ema)):
         assert torch.equal(dcp_load_w(root / step_dir_name(2)), state["w"])

@@ -18,7 +18,8 @@ Layout (one *segment* per job and node)::
 limit, ``docs/storage.md``). ``<job>`` is the ``job_id`` given, else a hash of the durable root:
 the same root restarted finds the same segment, another root never reads it. A segment owned by
 another uid, with group or other permissions, or whose ``segment.json`` names another job or
-another durable root is never read (and never written): the checkpointer says why and runs on the durable tier alone.
+another durable root is never read (and never written): the checkpointer says why and runs on
+the durable tier alone.
 
 May import: ``load``, ``storage`` and the leaves.
 """
