@@ -100,3 +100,21 @@ def dcp_load_w(path: Path) -> torch.Tensor:
     state = {"w": torch.zeros(8)}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return state["w"]
+
+
+def test_after_load_of_an_older_step_a_restart_never_resumes_from_a_newer_memory_step(
+    tmp_path: Path,
+) -> None:
+    """A run that went back to step 2 (``load(step=2)``) after a crash that left step 3 in
+    memory: the restart after its next crash resumes from its own course, not step 3."""
+    tier = MemoryTier(base=str(tmp_path / "shm"), job_id="j1")
+    root = tmp_path / "ckpt"
+    seen = _crashed_run(root, tier)  # step 3 in memory only
+    app = _app()
+    ck = Checkpointer(root, preemption_signals=(), memory=tier)
+    assert ck.load({"app": app}, step=2) == 2 and digest(app) == seen[2]
+    ck._memory.flusher.close()  # noqa: SLF001 - killed before its next save
+    app = _app()
+    with Checkpointer(root, preemption_signals=(), memory=tier) as again:
+        assert again.load_latest({"app": app}) == 2
+    assert digest(app) == seen[2]

@@ -400,13 +400,15 @@ class Checkpointer:
         if it has none, and :class:`~dcp_datastates.CheckpointLoadError` if it does not load
         (no fallback: that step was asked for). ``latest`` does not move. With a memory tier,
         a step committed in memory on every rank loads from there (and is then flushed to
-        ``root`` if it is not durable yet), else from ``root``."""
+        ``root`` if it is not durable yet), else from ``root``; memory then keeps only that
+        step (a newer one there must not be what a restart resumes from)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be an int >= 0: one of committed_steps()")
         self._wait_in_flight()
-        if self._memory is None or not self._memory.load_step(
-            step, app_state, reader_options, self._ranks()
-        ):
+        if self._memory is not None:
+            self._memory.flusher.wait()  # it keeps only `step` in memory then
+            self._memory.load_step(step, app_state, reader_options, self._ranks())
+        else:
             resume.load_step(self.root, step, app_state, reader_options, self._ranks())
         self._committed_step = step
         return step

@@ -135,10 +135,24 @@ class MemorySide:
         app_state: dict[str, Any],
         reader_options: dict[str, Any],
         ranks: resume.Ranks,
+    ) -> None:
+        """``Checkpointer.load(step=...)``: from memory when every rank's memory holds ``step``
+        whole and it loads there, else from ``root`` (raising as ``resume.load_step`` does).
+        Then, as after ``load_newest``, memory keeps only ``step`` (a newer step there belongs
+        to a course the run left: a restart must not resume from it) and flushes it."""
+        loaded = resume.Candidate(step, MEMORY, self.segment.root)
+        if not self._load_from_memory(step, app_state, reader_options, ranks):
+            resume.load_step(self.root, step, app_state, reader_options, ranks)
+            loaded = resume.Candidate(step, DURABLE, self.root)
+        self.after_load(loaded)
+
+    def _load_from_memory(
+        self,
+        step: int,
+        app_state: dict[str, Any],
+        reader_options: dict[str, Any],
+        ranks: resume.Ranks,
     ) -> bool:
-        """``Checkpointer.load(step=...)`` from memory: True once every rank loaded ``step``
-        from its memory (then flushed, a no-op when it is durable already); False, loading
-        nothing, when some rank's memory lacks it whole (the caller loads it from ``root``)."""
         problem = self.segment.problem
         if problem is None and self.segment.saved_world not in (None, self.world):
             problem = f"it holds a save of {self.segment.saved_world} ranks"
@@ -153,7 +167,7 @@ class MemorySide:
                 problem = f"{len(missing)} data file(s) missing" if missing else None
         if ranks.failing(problem is not None):
             return False
-        reason, error = resume.try_step(self.segment.root, step, app_state, reader_options, ranks)
+        reason, _ = resume.try_step(self.segment.root, step, app_state, reader_options, ranks)
         if reason is not None:
             logger.warning(
                 "rank %d: step %d did not load from memory (%s): %s; loading it from %s",
@@ -163,9 +177,7 @@ class MemorySide:
                 reason,
                 self.root,
             )
-            return False
-        self.flush(step)
-        return True
+        return reason is None
 
     def agree_usable(self, ranks: resume.Ranks) -> bool:
         """Whether every rank can use its segment (one all-reduce); logs why not."""
