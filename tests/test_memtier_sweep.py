@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _checkpointer_workers import digest
+from _checkpointer_workers import digest, train_step
 from _faults_util import mounted_tmpfs
 from test_memtier import LOGGER, _app, _crashed_run
 
@@ -118,3 +118,25 @@ def test_after_load_of_an_older_step_a_restart_never_resumes_from_a_newer_memory
     with Checkpointer(root, preemption_signals=(), memory=tier) as again:
         assert again.load_latest({"app": app}) == 2
     assert digest(app) == seen[2]
+
+
+def test_a_run_that_starts_afresh_in_a_crashed_runs_root_never_resumes_its_memory_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run started from scratch (no load) where a crashed run left step 3 in memory: step 3
+    was kept in preference to the new run's steps and was what its restart resumed from."""
+    tier = MemoryTier(base=str(tmp_path / "shm"), job_id="j1")
+    root = tmp_path / "ckpt"
+    _crashed_run(root, tier)  # step 3 in memory only
+    fresh = _app()  # the same model, untrained: step 1 of the new run
+    ck = Checkpointer(root, every_steps=1, preemption_signals=(), memory=tier)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        ck.maybe_save(1, {"app": fresh})
+        ck.wait()
+    assert any("did not resume from them" in r.getMessage() for r in caplog.records)
+    ck._memory.flusher.close()  # noqa: SLF001 - killed
+    app = _app()
+    train_step(app, 1, 1)  # something else than `fresh`
+    with Checkpointer(root, preemption_signals=(), memory=tier) as again:
+        assert again.load_latest({"app": app}) == 1
+    assert digest(app) == digest(fresh)

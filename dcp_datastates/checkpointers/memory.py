@@ -239,6 +239,15 @@ class Segment:
                     found.add(int(m.group(1)))
         return sorted(found)
 
+    def delete_replicas(self, *, after: int | None) -> None:
+        """The peer replicas this node holds of steps newer than ``after`` (None: all)."""
+        peer = os.path.join(self.root, "peer")
+        for source in _names(peer):
+            for name in _names(os.path.join(peer, source)):
+                m = re.match(r"^step_(\d+)$", name)
+                if m is not None and (after is None or int(m.group(1)) > after):
+                    shutil.rmtree(os.path.join(peer, source, name), ignore_errors=True)
+
     def bytes_held(self) -> int:
         total = 0
         for dirpath, _, names in os.walk(self.root):

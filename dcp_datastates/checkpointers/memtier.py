@@ -75,6 +75,7 @@ class MemorySide:
         self.direct = False
         self._full: int | None = None  # the step whose save into memory found it full
         self._crowded = False  # and memory held committed steps then
+        self._settled = False  # memory holds only this run's steps (after a load or a save)
         self.segment = Segment(tier, root, rank, world)
         self.flusher = flusher_class(self.segment, root, rank, group, on_durable, on_error)
         self.peers: PeerReplicator | None = None
@@ -219,6 +220,16 @@ class MemorySide:
                 full,
                 how,
             )
+        if not self._settled:  # the first save of a run that loaded nothing
+            if stale := self.segment.committed_steps() + self.segment.replica_steps():
+                logger.warning(
+                    "rank %d: deleting step(s) %s from %s: an earlier run left them and this run "
+                    "did not resume from them (load_latest or load first to resume)",
+                    self.rank,
+                    sorted(set(stale)),
+                    self.segment.root,
+                )
+            self.after_load(None)
         if self.direct:
             self.flusher.wait()  # `latest` moves in step order
             return False
@@ -353,7 +364,10 @@ class MemorySide:
         for step in self.segment.committed_steps():
             if step != keep:
                 self.segment.delete_step(step)
+        # Peer copies of newer steps too: a restart's recovery takes the newest it finds.
+        self.segment.delete_replicas(after=None if loaded is None else loaded.step)
         self.segment.claim_world(self.root)
+        self._settled = True
         if keep is not None:
             self.flush(keep)
 
