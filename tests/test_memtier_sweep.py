@@ -4,6 +4,7 @@ and a memory file system too small for the steps it is asked to keep."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,24 @@ def test_a_run_that_starts_afresh_in_a_crashed_runs_root_never_resumes_its_memor
     with Checkpointer(root, preemption_signals=(), memory=tier) as again:
         assert again.load_latest({"app": app}) == 1
     assert digest(app) == digest(fresh)
+
+
+def test_cli_clean_goes_on_past_a_segment_it_may_not_remove(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another user's directory named like this user's segments stopped ``clean`` with a
+    traceback before the dead segments after it."""
+    from dcp_datastates.cli import main
+
+    base = tmp_path / "shm"
+    planted, dead = Path(segment_path(str(base), "a-planted")), Path(segment_path(str(base), "b"))
+    for seg in (planted, dead):
+        (seg / "node_x").mkdir(parents=True, mode=0o700)
+    os.chown(planted, 4242, -1)
+    try:
+        assert main(["memory", "clean", "--base", str(base)]) == 1
+        out = capsys.readouterr().out
+        assert f"could not remove {planted}" in out and "owned by uid 4242" in out, out
+        assert f"removed {dead}" in out and not dead.exists() and planted.exists()
+    finally:
+        os.chown(planted, os.getuid(), -1)
