@@ -104,7 +104,7 @@ def dcp_load_w(path: Path) -> torch.Tensor:
 
 
 def test_after_load_of_an_older_step_a_restart_never_resumes_from_a_newer_memory_step(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A run that went back to step 2 (``load(step=2)``) after a crash that left step 3 in
     memory: the restart after its next crash resumes from its own course, not step 3."""
@@ -113,7 +113,9 @@ def test_after_load_of_an_older_step_a_restart_never_resumes_from_a_newer_memory
     seen = _crashed_run(root, tier)  # step 3 in memory only
     app = _app()
     ck = Checkpointer(root, preemption_signals=(), memory=tier)
-    assert ck.load({"app": app}, step=2) == 2 and digest(app) == seen[2]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert ck.load({"app": app}, step=2) == 2 and digest(app) == seen[2]
+    assert any("deleting step 3 from" in r.getMessage() for r in caplog.records), caplog.text
     ck._memory.flusher.close()  # noqa: SLF001 - killed before its next save
     app = _app()
     with Checkpointer(root, preemption_signals=(), memory=tier) as again:

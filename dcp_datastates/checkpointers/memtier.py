@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import resume
+from . import resume, steps
 from .memflush import Flusher
 from .memory import MemoryTier, Segment
 from .peers import PeerReplicator, PeerRestoreError
@@ -362,8 +362,19 @@ class MemorySide:
         older one is superseded); flush it when it came from memory (it may not be durable)."""
         keep = loaded.step if loaded is not None and loaded.tier == MEMORY else None
         for step in self.segment.committed_steps():
-            if step != keep:
-                self.segment.delete_step(step)
+            if step == keep:
+                continue
+            if steps.committed_path(self.root, step) is None:
+                logger.warning(
+                    "rank %d: deleting step %d from %s, never made durable in %s: this run "
+                    "goes on from %s",
+                    self.rank,
+                    step,
+                    self.segment.root,
+                    self.root,
+                    "nothing loaded" if loaded is None else f"step {loaded.step}",
+                )
+            self.segment.delete_step(step)
         # Peer copies of newer steps too: a restart's recovery takes the newest it finds.
         self.segment.delete_replicas(after=None if loaded is None else loaded.step)
         self.segment.claim_world(self.root)
