@@ -59,7 +59,7 @@ EXIT_OK, EXIT_DAMAGED, EXIT_NOT_COMMITTED, EXIT_NOTHING_TO_VERIFY, EXIT_UNREADAB
 #: ``cat`` or ``git log`` cut short the same way, so ``set -o pipefail`` treats us alike.
 EXIT_OUTPUT_CLOSED = 141
 _CHUNK = 4 << 20
-_DATA_FILE = re.compile(r"^__(\d+)_(\d+)" + re.escape(DATA_SUFFIX) + "$")
+_DATA_FILE = re.compile(r"^__(\d+)_(k?\d+)" + re.escape(DATA_SUFFIX) + "$")
 #: When several commit records are checked, the exit code of the worst one.
 _WORST_FIRST = (EXIT_DAMAGED, EXIT_NOT_COMMITTED, EXIT_NOTHING_TO_VERIFY, EXIT_OK)
 

@@ -31,6 +31,9 @@ MANIFEST_NAME = ".datastates.json"
 #: In a ``Checkpointer`` root: the newest committed step, as text (the CLI and reader read it).
 LATEST_NAME = "latest"
 DATA_SUFFIX = ".distcp"
+#: ``__{rank}_k{n}.distcp``: a data file an incremental save linked from an older checkpoint
+#: (``save/incremental.py``); it may hold records no item of this checkpoint names.
+LINKED_DATA = re.compile(r"^__\d+_k\d+" + re.escape(DATA_SUFFIX) + "$")
 
 
 @dataclass(frozen=True)

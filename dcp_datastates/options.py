@@ -90,6 +90,11 @@ class WriterOptions:
             other directories' files are brought beside it; off (default), ranks naming
             different directories are refused before anything is written. Every rank of a
             save must pass the same value.
+        incremental: Do not copy or write again a host tensor that provably did not change
+            since this writer's last committed save (a frozen base, frozen embeddings): the
+            data file holding its record is hard-linked whole into the new checkpoint, which
+            stays complete and self-standing (``save/incremental.py`` states the rule). Local
+            checkpoints only; off by default (README, "Incremental saves", says why).
         storage_options: Keyword arguments for the fsspec file system of a URL path (for
             ``s3://``: ``endpoint_url``, ``key``, ``secret``, ``client_kwargs``, ...; see
             ``docs/storage.md``). Ignored for local paths.
@@ -115,6 +120,7 @@ class WriterOptions:
     live_flush: bool | None = None
     overwrite: bool = True
     node_local: bool = False
+    incremental: bool = False
     # Not hashed (a dict is not hashable; the PROCESS daemon keys its runtimes by options), but
     # compared: options that differ only here are still different options.
     storage_options: Mapping[str, Any] | None = field(default=None, hash=False)
@@ -161,6 +167,7 @@ class WriterOptions:
             "direct_writes",
             "overwrite",
             "node_local",
+            "incremental",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):

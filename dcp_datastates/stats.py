@@ -36,6 +36,9 @@ class SaveStats:
         cow_blocked_s: Time those writes waited for their copies.
         live_bytes: Bytes the flush read from the live tensors a step at a time into its
             files' buffers and wrote from there, never copied into the pool (``live_flush``).
+        linked_bytes: Bytes of records an incremental save reused from this writer's last
+            checkpoint, by a hard link of their files, neither copied nor written
+            (``incremental=True``); not in ``bytes_written``.
         error: ``None`` for a save that committed; for a failed save, its error as
             ``"Type: message"``. A writer's ``last_stats`` is always a successful save;
             ``last_failed_stats`` holds the most recent failure.
@@ -62,6 +65,7 @@ class SaveStats:
     cow_bytes: int = 0
     cow_blocked_s: float = 0.0
     live_bytes: int = 0
+    linked_bytes: int = 0
     error: str | None = None
 
     @property

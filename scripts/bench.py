@@ -34,6 +34,7 @@ from bench_lib import (
     forward,
     limits,
     load,
+    lora,
     objstore,
     ranks,
     replication,
@@ -53,8 +54,17 @@ SCENARIOS = ["limits", "save", "load", "train", "forward", "cow", "scaling", "ra
 #: Run only when named (not in "all"): objstore and restart need the s3 extra and moto, compress
 #: zstandard; replication, the training-step cost of peer replication, wants spare cores to mean
 #: anything; simulate plans simulated jobs of up to 4,096 ranks (minutes, GBs of memory);
-#: coopload (four gloo ranks loading one replicated state) holds the state four times.
-EXTRA_SCENARIOS = ["objstore", "restart", "replication", "simulate", "compress", "coopload"]
+#: coopload (four gloo ranks loading one replicated state) holds the state four times; lora
+#: saves a 1 GB frozen base five times per system.
+EXTRA_SCENARIOS = [
+    "objstore",
+    "restart",
+    "replication",
+    "simulate",
+    "compress",
+    "coopload",
+    "lora",
+]
 
 #: Defaults of the full run and of --quick; an option given on the command line wins over both.
 FULL: dict[str, Any] = {
@@ -92,6 +102,7 @@ FULL: dict[str, Any] = {
     "coop_gb": 1.0,
     "s3_gb": 0.5,
     "restart_gb": 2.0,
+    "lora_gb": 1.0,
     "ranks_worlds": "2,4",
     "replication_gb": 0.4,
     "compress_params": 50_000_000,  # 0.7 GB: 14 bytes a parameter
@@ -132,6 +143,7 @@ QUICK: dict[str, Any] = {
     "coop_gb": 0.01,
     "s3_gb": 0.02,
     "restart_gb": 0.02,
+    "lora_gb": 0.02,
     "ranks_worlds": "2",
     "replication_gb": 0.02,
     "compress_params": 1_000_000,
@@ -212,6 +224,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--s3-gb", type=float, help="state size of the objstore scenario, GB")
     g.add_argument("--restart-gb", type=float, help="state size of the restart scenario, GB")
     g.add_argument("--compress-params", type=int, help="parameters of the compress scenario")
+    g.add_argument("--lora-gb", type=float, help="frozen base of the lora scenario, GB")
     g.add_argument("--ranks-gb", type=float, help="state size of the ranks save, all ranks")
     g.add_argument("--ranks-worlds", help="comma-separated rank counts of the ranks scenario")
     g.add_argument("--replication-gb", type=float, help="state replicated, all ranks, GB")
@@ -246,6 +259,7 @@ def _scratch_bytes(args: argparse.Namespace, wanted: list[str]) -> int:
         "restart": args.restart_gb,
         "compress": args.compress_params * 14 / GB,
         "coopload": args.coop_gb,
+        "lora": 6 * args.lora_gb,
     }
     return int(2 * max((sizes.get(s, 0.0) for s in wanted), default=0.0) * GB)
 
@@ -398,6 +412,8 @@ def _run(args: argparse.Namespace) -> int:
                     timeout=120 if args.quick else 600,
                     cold=cold,
                 )
+            elif scenario == "lora":
+                lora.run(rec, workdir=args.dir, nbytes=int(args.lora_gb * GB))
             elapsed[scenario] = time.monotonic() - t0
             log(f"{scenario}: {elapsed[scenario]:.1f} s")
     finally:
@@ -413,6 +429,7 @@ def _run(args: argparse.Namespace) -> int:
     text += sim_plot.table(rec)
     text += compress.table(rec)
     text += coop.table(rec)
+    text += lora.table(rec)
     text += "\nScenario wall times: " + ", ".join(f"{k} {v:.0f} s" for k, v in elapsed.items())
     text += f"; total {time.monotonic() - started:.0f} s.\n"
     (args.out / "summary.md").write_text(text)

@@ -4,10 +4,10 @@ Every test is parametrized by ``impl``: ``stock`` runs it with ``FileSystemWrite
 ``FileSystemReader``, ``ours`` with ``DataStatesWriter`` / ``DataStatesReader`` built from the
 very same arguments (a drop-in is a class-name change). Checkpoints are loaded with both readers
 and compared with what was saved: sync and async saves, objects and ``io.BytesIO`` values,
-overwrite, compression and user stream transforms, storage ids, custom planners, plan caching,
-legacy metadata types, and (on two gloo ranks, ``_conformance_workers.py``) sharded and
-replicated DTensors, resharding, compressed checkpoints, repeated cached-plan async saves and
-``use_collectives=False``.
+overwrite, compression and user stream transforms, incremental saves, storage ids, custom
+planners, plan caching, legacy metadata types, and (on two gloo ranks,
+``_conformance_workers.py``) sharded and replicated DTensors, resharding, compressed checkpoints,
+repeated cached-plan async saves and ``use_collectives=False``.
 """
 
 from __future__ import annotations
@@ -360,6 +360,29 @@ def test_a_damaged_compressed_record_is_caught(tmp_path: Path) -> None:
     assert main(["verify", "--quiet", str(path)]) != EXIT_OK
     with pytest.raises(BaseException, match="'big' has crc32c .* the checkpoint is damaged"):
         dcp.load(_blank(), storage_reader=DataStatesReader(path))
+
+
+# -- incremental saves ----------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_incremental_checkpoint_loads_alone(mode: str, tmp_path: Path) -> None:
+    """Ours with ``incremental=True``: a save after an unchanged one links that checkpoint's data
+    file; with the older checkpoint removed, both readers load the newer alone."""
+    import shutil
+
+    from dcp_datastates.format import LINKED_DATA
+
+    writer = DataStatesWriter(tmp_path, incremental=True, flush_workers=1)
+    first = _state(7)
+    second = {**first, "scalar": torch.tensor(9.0), "obj": {"step": 8, "name": "b", "lrs": []}}
+    for state, name in ((first, "a"), (second, "b")):
+        if mode == "sync":
+            dcp.save(state, storage_writer=writer, checkpoint_id=tmp_path / name)
+        else:
+            dcp.async_save(state, storage_writer=writer, checkpoint_id=tmp_path / name).result()
+    writer.close()
+    assert [n for n in (tmp_path / "b").iterdir() if LINKED_DATA.match(n.name)]
+    shutil.rmtree(tmp_path / "a")
+    _check_loads(tmp_path / "b", second)
 
 
 def test_serialization_format(impl: str, tmp_path: Path) -> None:

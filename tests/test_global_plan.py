@@ -157,6 +157,28 @@ def test_a_cached_plan_the_coordinator_does_not_hold_is_refused_and_the_next_sav
     assert all(p.items for p in final)
 
 
+def test_saves_of_one_writer_to_two_directories_that_plan_at_once_each_get_their_own_plan() -> None:
+    # Saves to different directories (TieredCheckpointer's step_N) do not take turns
+    # (path_turns): save B plans while save A, answered from the cache, has not finished.
+    memo = GlobalPlanMemo()
+    (plan,) = _fsdp(1)
+    first = memo.finish(memo.plan([memo.local(plan)])[0][0], plan)
+    sent_a = memo.local(plan)  # A offers the cached plan
+    sent_b = memo.local(plan)  # B overlaps A: its whole plan
+    assert not sent_a.usable and sent_b.usable
+    central_b = memo.plan([sent_b])[0][0]  # B plans anew first ...
+    central_a = memo.plan([sent_a])[0][0]  # ... and A is still served its own
+    assert memo.finish(central_b, plan).items == first.items
+    assert memo.finish(central_a, plan) is first
+    assert (memo.made, memo.served) == (2, 1)
+    # After an overlap the next save sends its whole plan; the one after is served again.
+    assert memo.local(plan).usable
+    memo.finish(memo.plan([plan])[0][0], plan)
+    again = memo.local(plan)
+    assert not again.usable
+    assert memo.finish(memo.plan([again])[0][0], plan).items == first.items
+
+
 def test_the_manifest_grows_linearly_with_the_items() -> None:
     def size(n: int) -> int:
         entries = {

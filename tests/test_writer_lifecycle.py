@@ -707,6 +707,7 @@ BAD_OPTIONS = [
     ("live_flush", 1, "must be True, False or None"),
     ("overwrite", 0, "must be True or False"),
     ("node_local", "yes", "must be True or False"),
+    ("incremental", 1, "must be True or False"),
     ("storage_options", "http://127.0.0.1:9000", "must be a mapping"),
 ]
 

@@ -51,6 +51,7 @@ from .._concurrency.signals import wait_in_slices
 from ..errors import CheckpointSaveError, StorageWriteError, unknown_options
 from ..format import LATEST_NAME
 from ..options import WriterOptions
+from ..save import incremental
 from ..save.api import async_save
 from ..save.compat import STOCK_WRITER_ARGS
 from ..save.writer import DataStatesWriter
@@ -255,6 +256,8 @@ class Checkpointer:
         if step == self._committed_step:
             return False  # already committed from this state: nothing to save
         path = steps.path(self.root, step) + (steps.REPLACING if agreed.replacing else "")
+        if self.writer.options.incremental and self._memory is None:
+            self._seed_incremental()
         if to_memory and self._memory is not None:
             path = self._memory.step_path(step)  # the flush to root replaces a committed one
         response = async_save(app_state, self.writer, checkpoint_id=path, **self._save_kwargs())
@@ -369,6 +372,16 @@ class Checkpointer:
             steps.purge(self.root, newest, self.keep_latest_k)
 
     # -- loading -------------------------------------------------------------------------------
+    def _seed_incremental(self) -> None:
+        """After a restart, an incremental writer's first save may reuse the newest step's
+        records (``incremental.seed``: on their content proof alone)."""
+        try:
+            newest = self.latest_step()
+        except (OSError, ValueError):  # a damaged ``latest``: nothing to offer
+            return
+        if newest is not None:
+            incremental.seed(self.writer, steps.path(self.root, newest), self._rank())
+
     def latest_step(self) -> int | None:
         """The step ``latest`` names on this rank's view of ``root``, or None."""
         return steps.read_latest(self.root)

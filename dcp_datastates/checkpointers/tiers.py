@@ -112,6 +112,8 @@ class TieredCheckpointer:
         if upload_attempts < 1:
             raise ValueError(f"upload_attempts={upload_attempts!r} must be at least 1")
         self.upload_attempts = upload_attempts
+        # Local files uploaded and the object each became: a linked one is copied server-side.
+        self._uploaded: dict[tuple[int, ...], str] = {}
         # A save thread's collectives on the training loop's group pair with its own: with an
         # all_reduce per step, two ranks hung at the second save (a user sweep).
         if dist.is_available() and dist.is_initialized():
@@ -209,7 +211,8 @@ class TieredCheckpointer:
         last: BaseException | None = None
         for attempt in range(self.upload_attempts):
             try:
-                blob = copy_checkpoint(self.local.storage(step), self.remote.storage(step))
+                local, remote = self.local.storage(step), self.remote.storage(step)
+                blob = copy_checkpoint(local, remote, self._uploaded)
             except Superseded:
                 raise MirrorError(
                     f"step {step} was saved again at {self.local.path(step)} while it was being "

@@ -6,7 +6,8 @@ One save, top-down:
   ``calls`` (which call a ``stage()`` belongs to, cross-rank guards), ``records`` (one save's
   state and stats);
 - ``staging``: the caller's part of ``stage()`` and the planning thread's part; ``planner`` maps
-  items to providers; ``process_staging`` serves DCP's PROCESS executor;
+  items to providers; ``incremental`` swaps in links for records an older checkpoint holds
+  (``incremental=True``); ``process_staging`` serves DCP's PROCESS executor;
 - ``runtime``: a writer's sessions from ``stage()`` to release, with ``resources`` (pool and
   threads), ``deferred`` (the planning thread), ``handoff`` (stage -> save thread) and
   ``sessions`` (those not yet retired); the copies themselves are ``snapshot/``;

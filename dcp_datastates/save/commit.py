@@ -9,6 +9,7 @@ written to a temporary file, fsynced, renamed and the directory synced.
 
 from __future__ import annotations
 
+import errno
 import logging
 import pickle
 import re
@@ -22,6 +23,7 @@ from .._dcp_private import StorageInfo
 from ..errors import DataStatesError, WriterUsageError
 from ..format import (
     DATA_SUFFIX,
+    LINKED_DATA,
     METADATA_NAME,
     RANK_METADATA,
     RecordInfo,
@@ -43,7 +45,8 @@ def _ours(commit_rank: int | None) -> re.Pattern[str]:
     """Files a save of ours (or of stock DCP) writes into a checkpoint directory, besides the
     commit record: data files, the manifest, and the temporary files of an interrupted commit.
     A rank that commits alone (``use_collectives=False``) owns only its own prefix."""
-    data = r"__\d+_\d+" if commit_rank is None else rf"__{commit_rank}_\d+"
+    # __{rank}_k{n}: a file linked from an older checkpoint (incremental.py).
+    data = r"__\d+_k?\d+" if commit_rank is None else rf"__{commit_rank}_k?\d+"
     names = [re.escape(manifest_name(commit_rank)), re.escape(metadata_name(commit_rank))]
     if commit_rank is None:  # and every rank's own, of an earlier save with use_collectives=False
         names += [r"__\d+" + re.escape(manifest_name()), r"__\d+" + re.escape(metadata_name())]
@@ -181,7 +184,13 @@ def _check_sizes(storage: Storage, entries: dict[str, RecordInfo], rank: int | N
     for info in entries.values():
         end = info.offset + info.length
         sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), end)
+    # A linked file also holds records of the older checkpoint that this one does not name.
+    linked = [name for name in sizes if LINKED_DATA.match(name)]
     try:
+        for name in linked:
+            del sizes[name]
+            if not storage.exists(name):
+                raise FileNotFoundError(errno.ENOENT, "a linked data file is gone", name)
         storage.check_sizes(sizes)
     except OSError as exc:
         if isinstance(exc, DataStatesError):

@@ -38,6 +38,7 @@ from ..snapshot.pieces import LiveWrite
 from ..snapshot.session import SnapshotSession
 from ..storage import localfile
 from ..storage.base import Storage, _write_error
+from . import incremental as _incremental
 from . import transforms as _transforms
 
 logger = logging.getLogger(__name__)
@@ -284,6 +285,7 @@ def flush(
     sync: bool,
     nice: int = 0,
     start_after: Latch | None = None,
+    incremental: bool = False,
     transforms: Sequence[Any] = (),
 ) -> Future[list[WriteResult]]:
     """Start writing ``items``; the future holds their results, or the first error (once).
@@ -296,21 +298,34 @@ def flush(
     A shared, bounded pool would let saves that overlap deadlock: later saves could hold every
     thread waiting for pieces that the pool admits only after an earlier save's pieces, which
     only that save's (queued) flush would release.
+
+    ``incremental``: items whose records an older checkpoint holds (``incremental.py``) are
+    linked here, before the files start; the future's ``evidence`` attribute keeps what the
+    next save compares against (the providers are released once the flush ends).
     """
     wanted = {item.index for item in items}
     for key, slices in session.slices.items():
         if key not in wanted:  # another rank writes this replicated item
             for slice_ in slices:
                 session.drop(slice_)
-    groups = assign_files(items, session, workers)
     result: Future[list[WriteResult]] = Future()
     result.set_running_or_notify_cancel()
+    collected: list[WriteResult] = []
+    if incremental:
+        result.evidence = _incremental.evidence(items, session.providers)  # type: ignore[attr-defined]
+        items, linked = _incremental.split_linked(items, session.providers)
+        try:
+            collected = _incremental.link(storage, linked, session.providers, prefix, sync=sync)
+        except OSError as exc:
+            result.set_exception(_write_error(exc, storage.describe(""), session.rank))
+            session.abort(result.exception())
+            return result
+    groups = assign_files(items, session, workers)
     if not groups:
-        result.set_result([])
+        result.set_result(collected)
         return result
     lock = threading.Lock()
     pending = [len(groups)]
-    collected: list[WriteResult] = []
     errors: list[BaseException] = []
     complete: list[str] = []
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import threading
 import uuid
 from bisect import bisect_right, insort
 from collections.abc import Sequence
@@ -120,18 +121,28 @@ def _overlaps(key: str, chunks: Sequence[ChunkStorageMetadata]) -> list[str]:
 
 
 class GlobalPlanMemo:
-    """One writer's plan cache: its rank's last local and final plan, and on the coordinator
-    the last global plan (module docstring). Saves of one writer run one planning at a time per
-    rank (``path_turns``); each part is one reference, swapped whole."""
+    """One writer's plan cache: its rank's last local and final plans, and on the coordinator
+    the last global plan (module docstring). Saves of one writer to one directory plan one at a
+    time (``path_turns``); saves to different directories (a step directory each) may plan at
+    once, on their own threads: a save that overlaps another sends its whole plan, and the final
+    plans of the last few tokens stay held, so an overlapped save served from the cache still
+    finds its own."""
+
+    #: Final plans held per token: a save answered from the cache finds the one it offered even
+    #: when a later save finished first.
+    HELD = 4
 
     def __init__(self) -> None:
-        #: This rank's (local plan, final plan, token) of its last save that planned.
-        self._rank: tuple[SavePlan, SavePlan, str] | None = None
+        self._lock = threading.Lock()
+        #: (local plan, token) this rank offers next: its last save's, if no save overlapped.
+        self._offer: tuple[SavePlan, str] | None = None
+        #: token -> this rank's final plan of that global plan, oldest first.
+        self._held: dict[str, SavePlan] = {}
         #: Saves that entered create_local_plan and finish_plan: unequal when one failed in
-        #: between (or overlaps): this rank then sends its whole plan, the safe side.
+        #: between or another is planning; this rank then sends its whole plan, the safe side.
         self._started = self._finished = 0
-        #: The coordinator's (all local plans, global plan, metadata, token).
-        self._global: tuple[list[SavePlan], list[SavePlan], Metadata, str] | None = None
+        #: The coordinator's token -> (all local plans, global plan, metadata), oldest first.
+        self._globals: dict[str, tuple[list[SavePlan], list[SavePlan], Metadata]] = {}
         #: Global plans this coordinator made, and served from the cache (for tests, stats).
         self.made = self.served = 0
 
@@ -140,67 +151,86 @@ class GlobalPlanMemo:
         """What this rank sends the coordinator for ``plan``: an empty plan naming the cached
         global plan when ``plan`` is the local plan that one was made from, and no other save
         of this writer is planning or failed while planning."""
-        if self._started != self._finished:
-            self._rank = None
-            self._finished = self._started
-        self._started += 1
-        cached = self._rank
-        if cached is not None and cached[0] is plan:
-            return SavePlan([], planner_data=PlanToken(cached[2]), usable=False)
-        return plan
+        with self._lock:
+            if self._started != self._finished:
+                self._offer = None
+                self._finished = self._started
+            self._started += 1
+            offer = self._offer
+            if offer is not None and offer[0] is plan:
+                return SavePlan([], planner_data=PlanToken(offer[1]), usable=False)
+            return plan
 
     def finish(self, central: SavePlan, local: SavePlan) -> SavePlan:
         """This rank's final plan (``local``: its local plan): the coordinator's, or the
         cached one it points to."""
-        self._finished += 1
-        token = central.planner_data.token if isinstance(central.planner_data, PlanToken) else None
-        if central.usable:
-            self._rank = None if token is None else (local, central, token)
-            return central
-        cached = self._rank
-        if cached is None or cached[2] != token:
-            self._rank = None
-            raise WriterUsageError(
-                "the coordinator answered with a cached global plan this rank does not hold; "
-                "save again (every rank then sends its whole plan)"
+        with self._lock:
+            self._finished += 1
+            alone = self._finished == self._started  # no other save planned meanwhile
+            token = (
+                central.planner_data.token if isinstance(central.planner_data, PlanToken) else None
             )
-        return cached[1]
+            if central.usable:
+                if token is not None:
+                    self._held[token] = central
+                    while len(self._held) > self.HELD:
+                        del self._held[next(iter(self._held))]
+                self._offer = (local, token) if token is not None and alone else None
+                return central
+            held = self._held.get(token) if token is not None else None
+            if held is None:
+                self._offer = None
+                raise WriterUsageError(
+                    "the coordinator answered with a cached global plan this rank does not "
+                    "hold; save again (every rank then sends its whole plan)"
+                )
+            if not alone:
+                self._offer = None
+            return held
 
     # -- the coordinator ----------------------------------------------------------------------
     def plan(self, all_plans: Sequence[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """The global plan of ``all_plans``: cached where every rank's plan is unchanged,
         made again (from the cached plans of the unchanged ranks) where some changed."""
-        cached = self._global
-        unchanged = [i for i, p in enumerate(all_plans) if not p.usable]
-        if unchanged:
-            tokens = {getattr(all_plans[i].planner_data, "token", None) for i in unchanged}
-            if cached is None or len(cached[0]) != len(all_plans) or tokens != {cached[3]}:
-                self._global = None
-                raise WriterUsageError(
-                    f"ranks {unchanged[:4]} sent a cached plan the coordinator does not hold "
-                    "(a save failed part way, or the ranks' writers differ); save again: every "
-                    "rank then sends its whole plan"
-                )
-            if len(unchanged) == len(all_plans):
-                # The ranks' own empty plans: their storage_data names this save's checkpoint,
-                # which the writer's global step compares across ranks.
-                self.served += 1
-                return list(all_plans), _fresh(cached[2])
-            all_plans = [
-                p if p.usable else dataclasses.replace(cached[0][i], storage_data=p.storage_data)
-                for i, p in enumerate(all_plans)
-            ]
-        self._global = None  # replaced only by a plan that succeeded
+        with self._lock:
+            unchanged = [i for i, p in enumerate(all_plans) if not p.usable]
+            if unchanged:
+                tokens = {getattr(all_plans[i].planner_data, "token", None) for i in unchanged}
+                cached = self._globals.get(next(iter(tokens))) if len(tokens) == 1 else None
+                if cached is None or len(cached[0]) != len(all_plans):
+                    raise WriterUsageError(
+                        f"ranks {unchanged[:4]} sent a cached plan the coordinator does not "
+                        "hold (a save failed part way, or the ranks' writers differ); save "
+                        "again: every rank then sends its whole plan"
+                    )
+                if len(unchanged) == len(all_plans):
+                    # The ranks' own empty plans: their storage_data names this save's
+                    # checkpoint, which the writer's global step compares across ranks.
+                    self.served += 1
+                    return list(all_plans), _fresh(cached[2])
+                all_plans = [
+                    p
+                    if p.usable
+                    else dataclasses.replace(cached[0][i], storage_data=p.storage_data)
+                    for i, p in enumerate(all_plans)
+                ]
+        # Outside the lock: planning a large job takes seconds, and a failure caches nothing.
         global_plan, metadata = plan_globally(all_plans)
-        self.made += 1
         token = uuid.uuid4().hex
         mark = PlanToken(token)
         global_plan = [dataclasses.replace(p, planner_data=mark) for p in global_plan]
-        self._global = (list(all_plans), global_plan, _fresh(metadata), token)
+        with self._lock:
+            self.made += 1
+            self._globals[token] = (list(all_plans), global_plan, _fresh(metadata))
+            while len(self._globals) > self.HELD:
+                del self._globals[next(iter(self._globals))]
         return global_plan, metadata
 
     def forget(self) -> None:
-        self._rank = self._global = None
+        with self._lock:
+            self._offer = None
+            self._held.clear()
+            self._globals.clear()
 
 
 def _fresh(metadata: Metadata) -> Metadata:

@@ -27,7 +27,7 @@ from ..snapshot.session import SnapshotSession
 from ..stats import SaveStats
 from ..storage.base import Storage, storage_for
 from . import commit as _commit
-from . import path_turns
+from . import incremental, path_turns
 from .calls import _current_rank, lost_process_group
 from .planner import PLANNED_KEY
 from .runtime import SnapshotRuntime
@@ -195,8 +195,18 @@ def flushed(
         failed(writer, save, fut.exception())
         return
     results = fut.result()
+    staging = getattr(writer, "_staging", None)  # the writer's; its memo of the last save
+    incremental.remember(
+        getattr(staging, "increments", None),
+        path=save.path,
+        rank=save.rank,
+        commit_rank=save.commit_rank,
+        results=results,
+        found=getattr(fut, "evidence", None),
+    )
     stats.items = len(results)
     stats.bytes_written = sum(r.size_in_bytes for r in results)
+    stats.linked_bytes = incremental.linked_bytes(results)
     stats.pool_bytes = runtime.pool_capacity
     stats.pool_peak_bytes = runtime.pool_peak
     if not save.is_coordinator:

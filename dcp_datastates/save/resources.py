@@ -104,6 +104,7 @@ class Resources:
             workers=self._options.flush_workers,
             sync=self._options.sync_files,
             nice=self._options.flush_nice,
+            incremental=self._options.incremental,
             transforms=transforms,
             # Other host copies: writes started while the snapshot copies take cores and memory
             # bandwidth from it on a small machine, and the copy is what the caller waits for.

@@ -41,7 +41,7 @@ from ..snapshot.session import SnapshotSession
 from ..stats import SaveStats
 from ..storage import localfile
 from ..storage.base import is_local
-from . import path_turns
+from . import incremental, path_turns
 from .calls import _current_rank, _world_size, fails_on_every_rank
 from .planner import plan_providers, planned_elsewhere, provider_from_any_planner
 from .runtime import SnapshotRuntime
@@ -57,6 +57,8 @@ class ThreadStaging:
         self.options = options
         # The last layout of the state saved, replayed by the next stage() (replay.py).
         self.captures = CaptureCache(options.eager_copy_bytes)
+        # The last save's records per rank, which the next may link (incremental.py).
+        self.increments = incremental.IncrementalMemo() if options.incremental else None
 
     def forget(self) -> None:
         """Drop the recorded layout (the writer is closing)."""
@@ -86,7 +88,9 @@ class ThreadStaging:
         turn = path_turns.take(path)
         try:
             with _cow.paused():  # the call's own reads and copies are not writes to watch
-                staged = self._stage_session(state_dict, call, stats, turn, start, announced)
+                staged = self._stage_session(
+                    state_dict, call, stats, turn, start, announced, os.fspath(path)
+                )
         except BaseException:
             turn.leave()  # no save will run: the saves after it need not wait
             raise
@@ -100,6 +104,7 @@ class ThreadStaging:
         turn: path_turns.Turn,
         start: float,
         announced: bool,
+        path: str,
     ) -> STATE_DICT_TYPE:
         """stage()'s snapshot: recorded for the planning thread, or planned here."""
         rank = stats.rank
@@ -137,7 +142,7 @@ class ThreadStaging:
                 staged = planned_elsewhere()
             stats.eager_bytes = captured.eager_bytes
             session = self.runtime.stage_later(
-                functools.partial(self.plan_captured, captured, call),
+                functools.partial(self.plan_captured, captured, call, path),
                 (stats, turn),
                 rank=rank,
                 started=start,
@@ -146,6 +151,8 @@ class ThreadStaging:
             )
         else:
             assert items is not None
+            if self.increments is not None:
+                incremental.reuse(items, self.increments, path, rank)
             session = self.runtime.new_session(
                 items, rank, expected_bytes=_expected_write_bytes(items, call)
             )
@@ -190,10 +197,10 @@ class ThreadStaging:
 
     # -- on the planning thread --------------------------------------------------------------
     def plan_captured(
-        self, captured: Capture, call: _dcp_private.AsyncSaveCall
+        self, captured: Capture, call: _dcp_private.AsyncSaveCall, path: str
     ) -> tuple[list[tuple[Any, Any]], int]:
         """On the planning thread: the items (and the bytes this rank will write) of what
-        ``stage()`` recorded."""
+        ``stage()`` recorded for a save to ``path``."""
         captured.resolve()
         if self.runtime.pool is None:
             # The first save: faulting the pool in (pool.py) overlaps the planning below. The
@@ -209,14 +216,20 @@ class ThreadStaging:
             probes=captured.probes,
         )
         captured.local_plan, captured.previous_plan = items.local_plan, None
+        if self.increments is not None:
+            incremental.reuse(items, self.increments, path, _current_rank())
         return items, _expected_write_bytes(items, call)
 
     # -- on the save thread, for a plain dcp.save (no stage()) -------------------------------
-    def session_for_plan(self, plan: SavePlan, planner: SavePlanner, rank: int) -> SnapshotSession:
+    def session_for_plan(
+        self, plan: SavePlan, planner: SavePlanner, rank: int, path: str = ""
+    ) -> SnapshotSession:
         """``write_data``'s snapshot of the live tensors: the items of DCP's plan, as ``planner``
-        resolves them."""
+        resolves them, for a save to ``path``."""
         self.runtime.check_open()
         items = [(item, provider_from_any_planner(item, planner)) for item in plan.items]
+        if self.increments is not None:
+            incremental.reuse(items, self.increments, path, rank)
         return self.runtime.new_session(items, rank)  # plan.items: exactly what we write
 
 

@@ -427,7 +427,7 @@ class DataStatesWriter(StorageWriter, AsyncStager, StockWriterAttributes):
         save = self._save()
         session = save.session
         if session is None:  # plain dcp.save: no stage(), snapshot live tensors now
-            session = self._staging.session_for_plan(plan, planner, save.rank)
+            session = self._staging.session_for_plan(plan, planner, save.rank, save.path)
             save.session = session
             save.started = time.monotonic()
             save.synchronous = True

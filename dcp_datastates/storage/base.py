@@ -158,6 +158,16 @@ def _write_error(exc: OSError, where: str, rank: int | None = None) -> StorageWr
     return err
 
 
+def _unshare(path: str) -> None:
+    """A file with other hard links (an incremental save linked it into another checkpoint) is
+    unlinked before it is written: truncated in place, it would change that checkpoint too."""
+    try:
+        if os.stat(path).st_nlink > 1:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -209,6 +219,7 @@ class LocalStorage:
         its writeback at ``fsync``. Same signature as the protocol's: subclasses (tests, users
         injecting faults) override it as before, and ``put_atomic`` goes through it."""
         path = self.describe(name)
+        _unshare(path)
         f: Any = DirectFile.open(path) if sync and self.direct else None
         if f is None:
             f = open(path, "wb", buffering=_BUFFER)  # noqa: SIM115 - closed below on every path

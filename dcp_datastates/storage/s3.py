@@ -39,6 +39,9 @@ import fsspec
 
 from ._s3_client import ObjectStoreError, RetryPolicy, _Client, classify
 
+#: The largest object one ``CopyObject`` copies (S3's limit); larger ones copy in parts.
+_COPY_OBJECT_MAX = 5 << 30
+
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
@@ -308,6 +311,42 @@ class S3Storage:
 
     def exists(self, name: str) -> bool:
         return self.size(name) is not None
+
+    def copy_within(self, name: str, source_key: str, size: int) -> None:
+        """Make ``name`` a server-side copy of the object ``source_key`` of the same bucket
+        (``size`` bytes): one ``CopyObject`` up to 5 GB, else a multipart upload of
+        ``UploadPartCopy`` ranges. No byte passes through this process. Raises
+        :class:`ObjectStoreError` (``errno.ENOENT`` where the source is gone)."""
+        source = {"Bucket": self.bucket, "Key": source_key}
+        key = self.key(name)
+        if size <= _COPY_OBJECT_MAX:
+            self.client("copy_object", key, CopySource=source)
+            return
+        upload = self.client("create_multipart_upload", key)["UploadId"]
+        try:
+            parts = []
+            step = max(self.part_bytes, 512 * MiB)
+            for number, start in enumerate(range(0, size, step), start=1):
+                stop = min(size, start + step) - 1
+                out = self.client(
+                    "upload_part_copy",
+                    key,
+                    UploadId=upload,
+                    PartNumber=number,
+                    CopySource=source,
+                    CopySourceRange=f"bytes={start}-{stop}",
+                )
+                parts.append({"PartNumber": number, "ETag": out["CopyPartResult"]["ETag"]})
+            self.client(
+                "complete_multipart_upload",
+                key,
+                UploadId=upload,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            with contextlib.suppress(ObjectStoreError):
+                self.client("abort_multipart_upload", key, UploadId=upload)
+            raise
 
     def remove(self, name: str) -> None:
         self.client("delete_object", self.key(name))
