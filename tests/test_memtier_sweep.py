@@ -164,3 +164,13 @@ def test_cli_clean_goes_on_past_a_segment_it_may_not_remove(
         assert f"removed {dead}" in out and not dead.exists() and planted.exists()
     finally:
         os.chown(planted, os.getuid(), -1)
+
+
+def test_a_segment_another_rank_of_the_node_is_making_is_used(tmp_path: Path) -> None:
+    """Ranks of one node start at once: one finds the segment made by another but its
+    ``segment.json`` not written yet. It turned the memory tier off for the whole run."""
+    tier = MemoryTier(base=str(tmp_path / "shm"), job_id="j1")
+    (Path(segment_path(tier.base, "j1")) / "node_x").mkdir(parents=True, mode=0o700)
+    Path(segment_path(tier.base, "j1")).chmod(0o700)
+    with Checkpointer(tmp_path / "ckpt", preemption_signals=(), memory=tier) as ck:
+        assert ck._memory is not None  # noqa: SLF001

@@ -114,9 +114,12 @@ def segment_path(base: str, job: str) -> str:
     return os.path.join(base, f"{PREFIX}{getpass.getuser()}-{job}")
 
 
-def why_unusable(segment: str, job: str | None, durable_root: str | None = None) -> str | None:
+def why_unusable(
+    segment: str, job: str | None, durable_root: str | None = None, *, made: bool = True
+) -> str | None:
     """Why ``segment`` must not be read by this user's job ``job`` saving to ``durable_root``
-    (None: it may). ``job`` None checks only owner and permissions (the CLI)."""
+    (None: it may). ``job`` None checks only owner and permissions (the CLI). ``made`` False:
+    a segment without its ``segment.json`` yet may be one another rank is making."""
     try:
         st = os.lstat(segment)
     except FileNotFoundError:
@@ -128,6 +131,8 @@ def why_unusable(segment: str, job: str | None, durable_root: str | None = None)
     if st.st_mode & 0o077:
         return f"{segment} has mode {stat.S_IMODE(st.st_mode):o}: others may read or change it"
     info = read_info(segment)
+    if info is None and not made:
+        return None
     if info is None:
         return f"{segment} has no readable {SEGMENT_FILE}"
     if info.get("uid") != os.getuid():
@@ -165,7 +170,7 @@ class Segment:
         self.node = node_name(tier)
         self.root = os.path.join(self.path, f"node_{self.node}")
         self.rank, self.world = rank, world
-        self.problem = why_unusable(self.path, self.job, durable_root)
+        self.problem = why_unusable(self.path, self.job, durable_root, made=False)
         self.saved_world: int | None = None
         if self.problem is not None:
             return
