@@ -42,10 +42,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"no segments of this user under {args.base}")
         return 0
     chosen = [s for s in found if (s["job"] == args.job if args.job else not s["live_pids"])]
+    failed = 0
     for s in chosen:
-        remove_segment(s["path"])
+        try:
+            remove_segment(s["path"])
+        except OSError as exc:  # another user's, named like ours: the others are still removed
+            failed += 1
+            print(f"could not remove {s['path']}: {exc}")
+            continue
         print(f"removed {s['path']} ({s['bytes'] / 1e6:.1f} MB, job {s['job']})")
     kept = len(found) - len(chosen)
     if kept:
         print(f"kept {kept} segment(s) of running jobs (--job JOB removes one anyway)")
-    return 0
+    return 1 if failed else 0

@@ -159,8 +159,11 @@ def test_a_lost_node_gets_its_files_back_from_its_peer_and_the_step_resumes_bit_
     # The same wreck, its replicas of ranks 2 and 3 corrupt and missing.
     base2 = tmp_path / "shm2"
     shutil.copytree(base, base2, symlinks=True)
-    shutil.copytree(root, tmp_path / "root2", symlinks=True)
+    root2 = tmp_path / "root2"
+    shutil.copytree(root, root2, symlinks=True)
     segment2 = Path(segment_path(str(base2), "nl"))
+    info = json.loads((segment2 / "segment.json").read_text())  # the copy's own durable root
+    (segment2 / "segment.json").write_text(json.dumps({**info, "durable_root": str(root2)}))
     damage(segment2 / "node_a/peer/rank_2/step_10")
     shutil.rmtree(segment2 / "node_a/peer/rank_3/step_10")
 
@@ -175,7 +178,7 @@ def test_a_lost_node_gets_its_files_back_from_its_peer_and_the_step_resumes_bit_
     dcp.load({"app": fresh}, checkpoint_id=str(root / step_dir_name(10)), no_dist=True)
     assert digest(fresh) == first[0][10]
 
-    outs = _rerun(tmp_path / "rerun2", tmp_path / "root2", {**env, "base": str(base2)})
+    outs = _rerun(tmp_path / "rerun2", root2, {**env, "base": str(base2)})
     for rank in range(4):
         said = "step 10 not restored from peers"
         assert said in outs[rank] and "rank 2" in outs[rank] and "rank 3" in outs[rank], outs[rank]

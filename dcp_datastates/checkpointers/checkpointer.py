@@ -246,9 +246,9 @@ class Checkpointer:
         names) is saved beside it and swapped in once committed (``steps.py``)."""
         self._wait_in_flight()
         replacing = False
-        if self._memory is not None:
-            self._memory.before_save()  # bounds what memory holds; may wait for a flush
-        elif self._rank() == 0 and step != self._committed_step:
+        # Bounds what memory holds (may wait for a flush); False: memory was full, to root.
+        to_memory = self._memory is not None and self._memory.before_save(self._ranks())
+        if not to_memory and self._rank() == 0 and step != self._committed_step:
             steps.settle(self.root)  # what a crash left of a replacement; none is in flight
             replacing = steps.is_committed(steps.path(self.root, step))
         agreed = self._agree(vote_preemption=False, replacing=replacing)
@@ -258,7 +258,7 @@ class Checkpointer:
         path = steps.path(self.root, step) + (steps.REPLACING if agreed.replacing else "")
         if self.writer.options.incremental and self._memory is None:
             self._seed_incremental()
-        if self._memory is not None:
+        if to_memory and self._memory is not None:
             path = self._memory.step_path(step)  # the flush to root replaces a committed one
         response = async_save(app_state, self.writer, checkpoint_id=path, **self._save_kwargs())
         done = threading.Event()
@@ -273,7 +273,10 @@ class Checkpointer:
         """Runs on DCP's save thread once the save is committed (or failed) on this rank."""
         exc = fut.exception()
         committed = exc is None
-        if exc is None and self._memory is not None:
+        in_memory = self._memory is not None and path == self._memory.step_path(step)
+        if exc is not None and in_memory:
+            self._memory.save_failed(step, exc)
+        elif exc is None and in_memory:
             self._memory.flush(step)  # committed in memory: `latest` moves once it is durable
         elif exc is None:
             try:
@@ -408,11 +411,18 @@ class Checkpointer:
 
         Raises :class:`~dcp_datastates.CheckpointNotCommittedError` listing the committed steps
         if it has none, and :class:`~dcp_datastates.CheckpointLoadError` if it does not load
-        (no fallback: that step was asked for). ``latest`` does not move."""
+        (no fallback: that step was asked for). ``latest`` does not move. With a memory tier,
+        a step committed in memory on every rank loads from there (and is then flushed to
+        ``root`` if it is not durable yet), else from ``root``; memory then keeps only that
+        step (a newer one there must not be what a restart resumes from)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be an int >= 0: one of committed_steps()")
         self._wait_in_flight()
-        resume.load_step(self.root, step, app_state, reader_options, self._ranks())
+        if self._memory is not None:
+            self._memory.flusher.wait()  # it keeps only `step` in memory then
+            self._memory.load_step(step, app_state, reader_options, self._ranks())
+        else:
+            resume.load_step(self.root, step, app_state, reader_options, self._ranks())
         self._committed_step = step
         return step
 

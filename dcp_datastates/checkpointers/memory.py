@@ -17,8 +17,9 @@ Layout (one *segment* per job and node)::
 ``<base>`` is ``/dev/shm`` by default (a tmpfs: its pages count against the container's memory
 limit, ``docs/storage.md``). ``<job>`` is the ``job_id`` given, else a hash of the durable root:
 the same root restarted finds the same segment, another root never reads it. A segment owned by
-another uid, with group or other permissions, or whose ``segment.json`` names another job is
-never read (and never written): the checkpointer says why and runs on the durable tier alone.
+another uid, with group or other permissions, or whose ``segment.json`` names another job or
+another durable root is never read (and never written): the checkpointer says why and runs on
+the durable tier alone.
 
 May import: ``load``, ``storage`` and the leaves.
 """
@@ -113,9 +114,12 @@ def segment_path(base: str, job: str) -> str:
     return os.path.join(base, f"{PREFIX}{getpass.getuser()}-{job}")
 
 
-def why_unusable(segment: str, job: str | None) -> str | None:
-    """Why ``segment`` must not be read by this user's job ``job`` (None: it may). ``job``
-    None checks only owner and permissions (the CLI)."""
+def why_unusable(
+    segment: str, job: str | None, durable_root: str | None = None, *, made: bool = True
+) -> str | None:
+    """Why ``segment`` must not be read by this user's job ``job`` saving to ``durable_root``
+    (None: it may). ``job`` None checks only owner and permissions (the CLI). ``made`` False:
+    a segment without its ``segment.json`` yet may be one another rank is making."""
     try:
         st = os.lstat(segment)
     except FileNotFoundError:
@@ -127,12 +131,23 @@ def why_unusable(segment: str, job: str | None) -> str | None:
     if st.st_mode & 0o077:
         return f"{segment} has mode {stat.S_IMODE(st.st_mode):o}: others may read or change it"
     info = read_info(segment)
+    if info is None and not made:
+        return None
     if info is None:
         return f"{segment} has no readable {SEGMENT_FILE}"
     if info.get("uid") != os.getuid():
         return f"{segment}/{SEGMENT_FILE} names uid {info.get('uid')}"
     if job is not None and info.get("job") != job:
         return f"{segment} belongs to job {info.get('job')!r}, not {job!r}"
+    theirs = info.get("durable_root")
+    if durable_root is not None and (
+        not isinstance(theirs, str) or os.path.realpath(theirs) != os.path.realpath(durable_root)
+    ):
+        return (
+            f"{segment} holds the checkpoints of root {theirs}, not {durable_root} (two "
+            "checkpointers given one job_id: give each its own; a dead job's goes with "
+            "`dcp-datastates memory clean`)"
+        )
     return None
 
 
@@ -155,7 +170,7 @@ class Segment:
         self.node = node_name(tier)
         self.root = os.path.join(self.path, f"node_{self.node}")
         self.rank, self.world = rank, world
-        self.problem = why_unusable(self.path, self.job)
+        self.problem = why_unusable(self.path, self.job, durable_root, made=False)
         self.saved_world: int | None = None
         if self.problem is not None:
             return
@@ -174,7 +189,7 @@ class Segment:
             return
         finally:
             os.umask(old)
-        self.problem = why_unusable(self.path, self.job)  # made by someone else meanwhile?
+        self.problem = why_unusable(self.path, self.job, durable_root)  # made meanwhile?
 
     def _info(self, durable_root: str) -> dict[str, Any]:
         return {
@@ -228,6 +243,15 @@ class Segment:
                 if (m := re.match(r"^step_(\d+)$", name)) is not None:
                     found.add(int(m.group(1)))
         return sorted(found)
+
+    def delete_replicas(self, *, after: int | None) -> None:
+        """The peer replicas this node holds of steps newer than ``after`` (None: all)."""
+        peer = os.path.join(self.root, "peer")
+        for source in _names(peer):
+            for name in _names(os.path.join(peer, source)):
+                m = re.match(r"^step_(\d+)$", name)
+                if m is not None and (after is None or int(m.group(1)) > after):
+                    shutil.rmtree(os.path.join(peer, source, name), ignore_errors=True)
 
     def bytes_held(self) -> int:
         total = 0

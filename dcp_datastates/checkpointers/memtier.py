@@ -13,6 +13,7 @@ May import: ``load``, ``storage`` and the leaves.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import resume
+from . import resume, steps
 from .memflush import Flusher
 from .memory import MemoryTier, Segment
 from .peers import PeerReplicator, PeerRestoreError
@@ -29,6 +30,18 @@ from .peers import PeerReplicator, PeerRestoreError
 logger = logging.getLogger(__name__)
 
 MEMORY, DURABLE = "memory", "durable"
+
+
+def no_space(exc: BaseException | None, depth: int = 0) -> bool:
+    """Whether ``exc`` (or what it wraps: its cause, DCP's per-rank failures) is ENOSPC."""
+    if exc is None or depth > 8:
+        return False
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    failures = getattr(exc, "failures", None) or {}
+    inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    inner += [exc.__cause__, exc.__context__]
+    return any(isinstance(e, BaseException) and no_space(e, depth + 1) for e in inner)
 
 
 class MemorySide:
@@ -56,6 +69,13 @@ class MemorySide:
         flusher_class: type[Flusher] = Flusher,
     ) -> None:
         self.tier, self.root, self.rank, self.world = tier, root, rank, world
+        #: Committed steps kept in memory while the next is written; 0 once memory was full.
+        self.keep = tier.keep
+        #: Saves go to ``root`` directly: memory was full even with no step kept.
+        self.direct = False
+        self._full: int | None = None  # the step whose save into memory found it full
+        self._crowded = False  # and memory held committed steps then
+        self._settled = False  # memory holds only this run's steps (after a load or a save)
         self.segment = Segment(tier, root, rank, world)
         self.flusher = flusher_class(self.segment, root, rank, group, on_durable, on_error)
         self.peers: PeerReplicator | None = None
@@ -110,6 +130,56 @@ class MemorySide:
         self.after_load(found)
         return None if found is None else found.step
 
+    def load_step(
+        self,
+        step: int,
+        app_state: dict[str, Any],
+        reader_options: dict[str, Any],
+        ranks: resume.Ranks,
+    ) -> None:
+        """``Checkpointer.load(step=...)``: from memory when every rank's memory holds ``step``
+        whole and it loads there, else from ``root`` (raising as ``resume.load_step`` does).
+        Then, as after ``load_newest``, memory keeps only ``step`` (a newer step there belongs
+        to a course the run left: a restart must not resume from it) and flushes it."""
+        loaded = resume.Candidate(step, MEMORY, self.segment.root)
+        if not self._load_from_memory(step, app_state, reader_options, ranks):
+            resume.load_step(self.root, step, app_state, reader_options, ranks)
+            loaded = resume.Candidate(step, DURABLE, self.root)
+        self.after_load(loaded)
+
+    def _load_from_memory(
+        self,
+        step: int,
+        app_state: dict[str, Any],
+        reader_options: dict[str, Any],
+        ranks: resume.Ranks,
+    ) -> bool:
+        problem = self.segment.problem
+        if problem is None and self.segment.saved_world not in (None, self.world):
+            problem = f"it holds a save of {self.segment.saved_world} ranks"
+        if problem is None and step not in self.segment.committed_steps():
+            problem = "not committed in this node's memory"
+        if problem is None:
+            try:
+                missing = self.segment.missing_files(step)
+            except Exception as exc:  # an unreadable .metadata: the durable copy may load
+                problem = f"unreadable: {exc}"
+            else:
+                problem = f"{len(missing)} data file(s) missing" if missing else None
+        if ranks.failing(problem is not None):
+            return False
+        reason, _ = resume.try_step(self.segment.root, step, app_state, reader_options, ranks)
+        if reason is not None:
+            logger.warning(
+                "rank %d: step %d did not load from memory (%s): %s; loading it from %s",
+                self.rank,
+                step,
+                self.segment.root,
+                reason,
+                self.root,
+            )
+        return reason is None
+
     def agree_usable(self, ranks: resume.Ranks) -> bool:
         """Whether every rank can use its segment (one all-reduce); logs why not."""
         if not ranks.failing(not self.segment.usable):
@@ -127,8 +197,51 @@ class MemorySide:
     def step_path(self, step: int) -> str:
         return self.segment.step_path(step)
 
-    def before_save(self) -> None:
-        self.flusher.make_room(self.tier.keep)
+    def before_save(self, ranks: resume.Ranks) -> bool:
+        """Bound what memory holds before a save (may wait for a flush); returns whether the
+        save goes to memory (every rank agrees: one all-reduce). After a save found memory full
+        on some rank while it held committed steps, the next ones keep none there; after one
+        found it full even so, they go to ``root`` directly (each change logged once)."""
+        full = ranks.failing(self._full is not None)
+        if full:
+            crowded = ranks.failing(self._full is not None and self._crowded)
+            self._full = None
+            if self.keep > 0 and crowded:  # without the committed steps it kept, it may fit
+                self.keep = 0
+                how = "keeping no committed step in memory (a save waits for the last flush)"
+            else:
+                self.direct = True
+                how = "saving to the durable root directly"
+            logger.warning(
+                "rank %d: the memory tier %s was full on rank(s) %s: from now on %s; give it "
+                "more room (MemoryTier(base=...) on a larger file system) for memory-speed saves",
+                self.rank,
+                self.segment.root,
+                full,
+                how,
+            )
+        if not self._settled:  # the first save of a run that loaded nothing
+            if stale := self.segment.committed_steps() + self.segment.replica_steps():
+                logger.warning(
+                    "rank %d: deleting step(s) %s from %s: an earlier run left them and this run "
+                    "did not resume from them (load_latest or load first to resume)",
+                    self.rank,
+                    sorted(set(stale)),
+                    self.segment.root,
+                )
+            self.after_load(None)
+        if self.direct:
+            self.flusher.wait()  # `latest` moves in step order
+            return False
+        self.flusher.make_room(self.keep)
+        return True
+
+    def save_failed(self, step: int, exc: BaseException) -> None:
+        """A save into memory failed (on DCP's save thread): delete what it wrote there, and
+        remember when memory was full."""
+        self.segment.delete_step(step)
+        if no_space(exc):
+            self._full, self._crowded = step, bool(self.segment.committed_steps())
 
     def flush(self, step: int) -> Future[None]:
         return self.flusher.submit(step)
@@ -249,9 +362,23 @@ class MemorySide:
         older one is superseded); flush it when it came from memory (it may not be durable)."""
         keep = loaded.step if loaded is not None and loaded.tier == MEMORY else None
         for step in self.segment.committed_steps():
-            if step != keep:
-                self.segment.delete_step(step)
+            if step == keep:
+                continue
+            if steps.committed_path(self.root, step) is None:
+                logger.warning(
+                    "rank %d: deleting step %d from %s, never made durable in %s: this run "
+                    "goes on from %s",
+                    self.rank,
+                    step,
+                    self.segment.root,
+                    self.root,
+                    "nothing loaded" if loaded is None else f"step {loaded.step}",
+                )
+            self.segment.delete_step(step)
+        # Peer copies of newer steps too: a restart's recovery takes the newest it finds.
+        self.segment.delete_replicas(after=None if loaded is None else loaded.step)
         self.segment.claim_world(self.root)
+        self._settled = True
         if keep is not None:
             self.flush(keep)
 
