@@ -42,7 +42,8 @@
                      gives a tensor another shape of the same bytes. Each rank reports its
                      replays, which saves reused the write items, and what loaded back wrong.
     plan-cache       one writer per rank, dcp_datastates.async_save four times with one
-                     layout, then once with rank 1's own tensor in another shape: the coordinator's
+                     layout, then once with rank 1's own tensor in another shape, then once more
+                     with a new writer on rank 0 only: the coordinator's
                      global plans made and served from the writer's cache, and what loaded
                      back wrong (through stock dcp.load).
 """
@@ -619,8 +620,11 @@ def _plan_cache(rank: int, world_size: int, port: int, workdir: Path) -> dict[st
     weight = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
     mine = torch.full((32, 32), float(rank))
     try:
-        for i in range(5):
-            own = mine.view(16, 64) if i == 4 and rank == 1 else mine  # rank 1's plan changes
+        for i in range(6):
+            if i == 5 and rank == 0:  # a new writer on the coordinator only: the others' replay
+                writer.close()
+                writer = DataStatesWriter(workdir / "w")
+            own = mine.view(16, 64) if i >= 4 and rank == 1 else mine  # rank 1's plan changes
             state = {"w": weight, f"rank{rank}": own, "step": i}
             expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
             path = str(workdir / f"save{i}")

@@ -63,6 +63,8 @@ def test_a_replicated_state_is_read_once_by_four_ranks_and_loads_exactly(
         if r.rank != 1:
             assert "CooperativeLoadError" in failed and "rank 1 of this cooperative" in failed
             assert "item '" in failed and str(ckpt) in failed, failed
+            # the cause first, then what else that round read (which need not include it)
+            assert failed.index(FAIL) < failed.index("that round it read"), failed
 
 
 def test_row_shards_of_two_ranks_load_resharded_on_four_reading_each_record_once(

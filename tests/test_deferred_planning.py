@@ -39,12 +39,12 @@ class GatedPlanning(ThreadStaging):
         self.planned_on: list[str] = []
         self.fail = fail
 
-    def plan_captured(self, captured: Any, call: Any) -> Any:
+    def plan_captured(self, captured: Any, call: Any, path: str) -> Any:
         self.planned_on.append(threading.current_thread().name)
         assert self.gate.wait(EVENT_TIMEOUT_S)
         if self.fail is not None:
             raise self.fail
-        return super().plan_captured(captured, call)
+        return super().plan_captured(captured, call, path)
 
 
 class GatedPlanningWriter(DataStatesWriter):

@@ -107,3 +107,33 @@ def test_an_earlier_save_flushing_after_two_later_ones_is_not_starved(tmp_path: 
         writer.close()
     for step, state in enumerate(states):
         assert_same_state(state, load_like(tmp_path / f"ckpt_{step}", state, "datastates"))
+
+
+def test_many_small_overlapping_saves_of_one_writer_each_commit_their_own_step(
+    tmp_path: Path, make_writer
+) -> None:
+    """A user loop of small saves, four in flight at a time: their plannings overlap, and
+    each replays the layout of the save before (the cross-rank plan cache,
+    ``save/global_plan.py``). Before b2300e6 one save's planning could make the token another
+    had sent unknown: 4 of 240 saves failed with ``WriterUsageError`` (a user sweep)."""
+    writer = make_writer(tmp_path / "unused")
+    state = {f"t{i}": torch.zeros(64) for i in range(20)} | {"step": -1}
+    errors, step = [], 0
+    for _ in range(40):
+        responses = []
+        for _ in range(4):
+            _set_step(state, step)
+            path = str(tmp_path / f"c{step}")
+            responses.append(async_save(state, writer, checkpoint_id=path, no_dist=True))
+            responses[-1].staging_completion.result(timeout=BOUNDED_S)
+            step += 1
+        for response in responses:
+            try:
+                response.upload_completion.result(timeout=BOUNDED_S)
+            except Exception as exc:  # noqa: BLE001 - counted, asserted below
+                errors.append(repr(exc))
+    assert errors == []
+    for step in (0, 77, 159):
+        expected = {f"t{i}": torch.zeros(64) for i in range(20)} | {"step": -1}
+        _set_step(expected, step)
+        assert_same_state(expected, load_like(tmp_path / f"c{step}", expected, READERS[0]))

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.planner import WriteItemType as Kind
 
 from dcp_datastates import WriterUsageError
 from dcp_datastates.format import RecordInfo, encode_manifest
+from dcp_datastates.save import global_plan
 from dcp_datastates.save.global_plan import (
     GlobalPlanMemo,
     PlanToken,
@@ -144,11 +145,14 @@ def test_a_repeat_save_is_served_from_the_cache_and_a_changed_rank_plans_again()
     assert [p.items for p in final] == [p.items for p in first]
 
 
-def test_a_cached_plan_the_coordinator_does_not_hold_is_refused_and_the_next_save_plans() -> None:
+def test_a_cached_plan_the_coordinator_does_not_hold_is_refused_and_the_next_save_plans(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     ranks = _Ranks(2)
     plans = _fsdp(2)
     ranks.save(plans)
-    ranks.memos[0].forget()  # the coordinator lost its cache (its rank's part too)
+    ranks.memos[0].forget()  # the coordinator lost its cache (its rank's part too) ...
+    monkeypatch.setattr(global_plan, "_last_made", None)  # ... and its process's (a restart)
     with pytest.raises(WriterUsageError, match="does not hold"):
         ranks.save(plans)
     # The failed save never reached finish_plan: every rank sends its whole plan again.
@@ -177,6 +181,24 @@ def test_saves_of_one_writer_to_two_directories_that_plan_at_once_each_get_their
     again = memo.local(plan)
     assert not again.usable
     assert memo.finish(memo.plan([again])[0][0], plan).items == first.items
+
+
+def test_a_writer_made_anew_on_the_coordinator_only_serves_the_other_ranks_cached_plans() -> None:
+    """A user closes and remakes the writer on rank 0 only (after an error there): the other
+    ranks' writers still send the token of the last global plan, which rank 0's process made.
+    Refused, that save failed on every rank (a user sweep); served, it plans as before."""
+    ranks = _Ranks(3)
+    plans = _fsdp(3, shape=(48, 256))
+    _, first, metadata = ranks.save(plans)
+    ranks.memos[0].forget()  # writer.close()
+    ranks.memos[0] = GlobalPlanMemo()  # and a new writer, on rank 0 only
+    sent, final, metadata2 = ranks.save(plans)
+    assert [p.usable for p in sent] == [True, False, False]
+    assert [p.items for p in final] == [p.items for p in first]
+    assert metadata2.state_dict_metadata == metadata.state_dict_metadata
+    sent, final, _ = ranks.save(plans)  # and then from the new writer's own cache
+    assert not any(p.usable for p in sent) and ranks.memos[0].served == 1
+    assert [p.items for p in final] == [p.items for p in first]
 
 
 def test_the_manifest_grows_linearly_with_the_items() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import io
 import json
 import logging
 import os
@@ -164,6 +165,35 @@ def test_trusted_loads_what_safe_mode_refuses(tmp_path: Path, make_writer: Any) 
     target = blank_like(state)
     dcp.load(target, storage_reader=DataStatesReader(path, trusted=True), no_dist=True)
     assert_same_state(state, target)
+
+
+class _Allocates:
+    """Unpickles as ``bytes(10**6)``: a call of ``bytes`` with an argument."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (bytes, (10**6,))
+
+
+def test_a_safe_load_reads_empty_bytes_and_refuses_bytes_called_with_a_size(
+    tmp_path: Path, make_writer: Any
+) -> None:
+    """An empty ``BytesIO`` or ``b""`` pickles as a call of ``bytes()``, which the safe load
+    refused (stock loads it; a user sweep); ``bytes`` called with a size stays refused."""
+    path = tmp_path / "ckpt"
+    state = {"w": torch.arange(4.0), "empty": io.BytesIO(b""), "tok": b"", "toks": [b"", b"a"]}
+    dcp.save(state, storage_writer=make_writer(path), no_dist=True)
+    target: dict[str, Any] = {"w": torch.zeros(4), "empty": io.BytesIO(), "tok": None}
+    target["toks"] = [None, None]
+    dcp.load(target, storage_reader=DataStatesReader(path), no_dist=True)
+    assert torch.equal(target["w"], state["w"]) and target["empty"].getvalue() == b""
+    assert (target["tok"], target["toks"]) == (b"", [b"", b"a"])
+
+    evil = tmp_path / "evil"
+    dcp.save({"x": _Allocates()}, storage_writer=make_writer(evil), no_dist=True)
+    with pytest.raises(BaseException) as raised:
+        dcp.load({"x": None}, storage_reader=DataStatesReader(evil), no_dist=True)
+    refused = failure_of(raised.value, UnsafeCheckpointError)
+    assert refused is not None and "only bytes() is allowed" in str(refused)
 
 
 def _cli(*commands: tuple[Any, ...]) -> list[subprocess.CompletedProcess[str]]:

@@ -299,7 +299,8 @@ class _ReadFailed(Exception):
 def _say(error: BaseException) -> str:
     if isinstance(error, _ReadFailed):
         cause = error.__cause__
-        return f"reading {error.reading}: {type(cause).__name__}: {cause}"
+        # The cause first: the round's items (three named) need not include the one it names.
+        return f"{type(cause).__name__}: {cause} (that round it read {error.reading})"
     return f"receiving its part: {type(error).__name__}: {error}"
 
 

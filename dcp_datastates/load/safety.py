@@ -8,7 +8,9 @@ tensors of many dtypes and memory formats, DTensor chunks and object items). Fil
 lie inside its file.
 
 Object items load with ``torch.load(weights_only=True)``, which also allows ``io.BytesIO``: DCP
-saves a ``BytesIO`` value of a state dict that way, and rebuilding one only copies bytes.
+saves a ``BytesIO`` value of a state dict that way, and rebuilding one only copies bytes. An
+empty ``bytes`` (``b""``, an empty ``BytesIO``'s value) pickles as a call of ``bytes()``, which
+is allowed with no arguments only (``bytes(10**12)`` would allocate what it says).
 """
 
 from __future__ import annotations
@@ -181,6 +183,18 @@ def check_extents(
             )
 
 
+def _empty_bytes(*args: Any) -> bytes:
+    """``builtins.bytes`` as a safe load resolves it: ``bytes()`` (how pickle's protocol 2
+    writes ``b""``); a call with arguments is refused."""
+    if args:
+        raise pickle.UnpicklingError(f"bytes{args!r:.60} is refused: only bytes() is allowed")
+    return b""
+
+
+#: What object items may name beyond ``torch.load(weights_only=True)``'s own allowlist.
+_OBJECT_GLOBALS: list[Any] = [io.BytesIO, (_empty_bytes, "builtins.bytes")]
+
+
 def check_object_record(blob: bytes, where: str, fqn: str) -> Any:
     """The object in ``blob``, loaded with ``torch.load(weights_only=True)``; refuse a record
     that it rejects: DCP's planner loads object items with ``weights_only=False``, which would
@@ -189,12 +203,15 @@ def check_object_record(blob: bytes, where: str, fqn: str) -> Any:
     if value is not MISS:
         return value
     try:
-        with torch.serialization.safe_globals([io.BytesIO]):
+        with torch.serialization.safe_globals(_OBJECT_GLOBALS):
             return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except Exception as exc:
         lines = str(exc).splitlines() or [type(exc).__name__]
         # torch's message is long; the line naming the refused global is the useful one.
-        reason = next((ln for ln in lines if "Unsupported global" in ln), lines[0]).strip()
+        reason = next(
+            (ln for ln in lines if "Unsupported global" in ln or "is refused" in ln), lines[0]
+        )
+        reason = reason.strip()
         raise UnsafeCheckpointError(
             f"{where}: object item {fqn!r} does not load with torch.load(weights_only=True) "
             f"({reason}); a safe load refuses it. Allow the classes you trust with "

@@ -16,7 +16,10 @@ unusable plan carrying the token of the global plan it was finished with; a coor
 that global plan hands back the cached plans and a fresh copy of the cached metadata, with no
 planning at all. A rank replans whenever its last save did not reach ``finish_plan``, and the
 coordinator refuses a token it does not hold, so a cache can never pair the metadata of one
-global plan with the write plans of another.
+global plan with the write plans of another. The coordinator process also keeps the last global
+plan any of its memos made (one, replaced by the next): a writer made anew on the coordinator
+only (the old one closed after an error) still serves the tokens the other ranks' writers send,
+where refusing them failed that save on every rank (a user sweep).
 """
 
 from __future__ import annotations
@@ -120,6 +123,10 @@ def _overlaps(key: str, chunks: Sequence[ChunkStorageMetadata]) -> list[str]:
     return errors
 
 
+#: The last (token, (all local plans, global plan, metadata)) any memo of this process made.
+_last_made: tuple[str, tuple[list[SavePlan], list[SavePlan], Metadata]] | None = None
+
+
 class GlobalPlanMemo:
     """One writer's plan cache: its rank's last local and final plans, and on the coordinator
     the last global plan (module docstring). Saves of one writer to one directory plan one at a
@@ -192,11 +199,16 @@ class GlobalPlanMemo:
     def plan(self, all_plans: Sequence[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """The global plan of ``all_plans``: cached where every rank's plan is unchanged,
         made again (from the cached plans of the unchanged ranks) where some changed."""
+        global _last_made
         with self._lock:
             unchanged = [i for i, p in enumerate(all_plans) if not p.usable]
             if unchanged:
                 tokens = {getattr(all_plans[i].planner_data, "token", None) for i in unchanged}
-                cached = self._globals.get(next(iter(tokens))) if len(tokens) == 1 else None
+                token = next(iter(tokens)) if len(tokens) == 1 else None
+                cached = self._globals.get(token) if token is not None else None
+                made = _last_made
+                if cached is None and made is not None and made[0] == token:
+                    cached = self._globals[token] = made[1]  # another writer of this process
                 if cached is None or len(cached[0]) != len(all_plans):
                     raise WriterUsageError(
                         f"ranks {unchanged[:4]} sent a cached plan the coordinator does not "
@@ -222,6 +234,7 @@ class GlobalPlanMemo:
         with self._lock:
             self.made += 1
             self._globals[token] = (list(all_plans), global_plan, _fresh(metadata))
+            _last_made = (token, self._globals[token])
             while len(self._globals) > self.HELD:
                 del self._globals[next(iter(self._globals))]
         return global_plan, metadata
