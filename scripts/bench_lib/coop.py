@@ -13,9 +13,7 @@ there, reading is a memory copy and a transfer over loopback TCP is not cheaper,
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 import traceback
 from datetime import timedelta
@@ -140,10 +138,7 @@ def worker(rank: int, world: int, port: int, workdir: Path, args: dict[str, Any]
     except BaseException:
         report = {"ok": False, "traceback": traceback.format_exc()}
         traceback.print_exc()
-    (workdir / f"rank{rank}.json").write_text(json.dumps(report))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if report["ok"] else 1)
+    ranks.exit_with(workdir, rank, report)
 
 
 def run(

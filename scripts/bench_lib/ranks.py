@@ -21,7 +21,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import state, systems
 from .common import GB, Recorder, alternate, fresh_dir, log
@@ -81,6 +81,12 @@ def worker(rank: int, world: int, port: int, workdir: Path, args: dict[str, Any]
     except BaseException:
         report = {"ok": False, "traceback": traceback.format_exc()}
         traceback.print_exc()
+    exit_with(workdir, rank, report)
+
+
+def exit_with(workdir: Path, rank: int, report: dict[str, Any]) -> NoReturn:
+    """End a rank's worker process: its report where ``_launch`` reads it, then ``os._exit``
+    (no atexit or process-group teardown to hang on)."""
     (workdir / f"rank{rank}.json").write_text(json.dumps(report))
     sys.stdout.flush()
     sys.stderr.flush()

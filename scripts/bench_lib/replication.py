@@ -18,11 +18,9 @@ machine with no spare core take that time from the training step.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -139,10 +137,7 @@ def worker(rank: int, world: int, port: int, workdir: Path, args: dict[str, Any]
     except BaseException:
         report = {"ok": False, "traceback": traceback.format_exc()}
         traceback.print_exc()
-    (workdir / f"rank{rank}.json").write_text(json.dumps(report))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if report["ok"] else 1)
+    ranks.exit_with(workdir, rank, report)
 
 
 def run(
